@@ -1,0 +1,20 @@
+"""optax_accum: TF1-style gradient aggregation as composable Optax transforms.
+
+Step-tagged accumulation that drops stale gradients, row-sparse accumulation,
+cross-replica averaging with replica subgroups, stale-gradient dropping, and
+communication-saving local SGD (AGN), for one CPU and for a TPU pod alike.
+"""
+
+from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
+from optax_accum.state import global_step, has_updated, num_accumulated, set_global_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConditionalAccumulatorState",
+    "conditional_accumulator",
+    "global_step",
+    "has_updated",
+    "num_accumulated",
+    "set_global_step",
+]

@@ -1,0 +1,229 @@
+"""Small helpers shared by the transforms: argument checks, counters, branching.
+
+Everything here is private. Each helper does one thing and is named for it; a
+transform module should read as the behaviour it implements, with the plumbing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_INT32_MAX = np.iinfo(np.int32).max
+REDUCTIONS = ("mean", "sum")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def canonical_reduction(reduction: Any, *, argname: str = "reduction") -> str:
+    """Returns "mean" or "sum" for any capitalisation of them; ValueError otherwise."""
+    if isinstance(reduction, str) and reduction.lower() in REDUCTIONS:
+        return reduction.lower()
+    raise ValueError(f'{argname} must be "mean" or "sum" (any case), got {reduction!r}')
+
+
+def require_positive_int(name: str, value: Any) -> int:
+    """Returns `value` if it is a Python (or NumPy) int >= 1; raises otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def require_axis_name(name: str, value: Any) -> Any:
+    """Checks an optional axis name: None, a hashable name, or a tuple of names."""
+    if value is None:
+        return None
+    names = value if isinstance(value, tuple) else (value,)
+    if not names or any(not isinstance(n, str | int) or isinstance(n, bool) for n in names):
+        raise TypeError(
+            f"{name} must be None, an axis name (str) or a tuple of axis names, got {value!r}"
+        )
+    return value
+
+
+def require_bound_axis(axis_name: Any, *, argname: str = "axis_name") -> None:
+    """Raises a clear NameError-free error when `axis_name` is not bound by the caller.
+
+    Without this, an unbound name fails deep inside JAX with "unbound axis name".
+    Called at trace time.
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    for n in names:
+        try:
+            lax.axis_size(n)
+        except NameError as e:  # JAX raises NameError for an unbound axis name.
+            raise ValueError(
+                f"{argname}={axis_name!r} is not bound here: call the update inside "
+                f"jax.pmap, jax.shard_map or jax.vmap with that axis name ({e})"
+            ) from None
+
+
+def floating_dtype(name: str, dtype: Any) -> np.dtype | None:
+    """Returns `dtype` as a NumPy floating dtype (None stays None); TypeError otherwise."""
+    if dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dt.name}")
+    return dt
+
+
+def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) -> np.dtype:
+    """The dtype an accumulator keeps for a parameter leaf.
+
+    An explicit `accumulator_dtype` wins; otherwise float16/bfloat16 accumulate in
+    float32 (sums of many low-precision gradients lose too much), and every other
+    floating dtype accumulates in itself.
+    """
+    if accumulator_dtype is not None:
+        return accumulator_dtype
+    dt = jnp.dtype(param_dtype)
+    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dt
+
+
+# --------------------------------------------------------------------------- trace-time checks
+
+
+def local_step_or(local_step: Any, default: jax.Array, *, argname: str = "local_step") -> jax.Array:
+    """Validates the `local_step` extra argument; returns it as an int32 scalar.
+
+    `None` means "computed at the current step" and returns `default`. A non-integer
+    dtype is a TypeError and a non-scalar a ValueError, both raised at trace time.
+    """
+    if local_step is None:
+        return default
+    if isinstance(local_step, bool) or isinstance(local_step, float | complex | str):
+        raise TypeError(f"{argname} must be an integer scalar, got {local_step!r}")
+    try:
+        dtype = jnp.result_type(local_step)
+    except TypeError:
+        raise TypeError(
+            f"{argname} must be an integer scalar, got {type(local_step).__name__}"
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{argname} must be an integer scalar, got dtype {dtype}")
+    if jnp.ndim(local_step) != 0:
+        raise ValueError(
+            f"{argname} must be an integer scalar, got shape {tuple(jnp.shape(local_step))}"
+        )
+    if isinstance(local_step, int | np.integer):
+        local_step = int(np.clip(local_step, np.iinfo(np.int32).min, _INT32_MAX))
+    return jnp.asarray(local_step).astype(jnp.int32)
+
+
+def check_tree_matches(updates: Any, reference: Any, *, what: str = "updates") -> None:
+    """Raises at trace time if `updates` differs from `reference` in structure or shape."""
+    got, expected = jax.tree.structure(updates), jax.tree.structure(reference)
+    if got != expected:
+        raise ValueError(
+            f"{what} must have the tree structure of the params given to init: "
+            f"expected {expected}, got {got}"
+        )
+    flat, _ = jax.tree_util.tree_flatten_with_path(updates)
+    for (path, u), r in zip(flat, jax.tree.leaves(reference), strict=True):
+        where = f"{what}{jax.tree_util.keystr(path)}"
+        if jnp.shape(u) != jnp.shape(r):
+            raise ValueError(
+                f"{where} must have shape {tuple(jnp.shape(r))}, got {tuple(jnp.shape(u))}"
+            )
+        if not jnp.issubdtype(jnp.result_type(u), jnp.floating):
+            raise TypeError(f"{where} must be floating, got dtype {jnp.result_type(u)}")
+
+
+# --------------------------------------------------------------------------- counters
+
+
+def saturating_add(count: jax.Array, increment: jax.Array) -> jax.Array:
+    """int32 `count + increment` (increment >= 0) that stops at the int32 maximum.
+
+    The multi-increment sibling of `optax.safe_increment`: counters never wrap.
+    """
+    increment = increment.astype(count.dtype)
+    return jnp.where(count > _INT32_MAX - increment, _INT32_MAX, count + increment)
+
+
+def int32(value: Any) -> jax.Array:
+    """A scalar int32 array."""
+    return jnp.asarray(value, dtype=jnp.int32)
+
+
+# --------------------------------------------------------------------------- branching
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def _make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+    missing = axes - _varying_axes(jax.typeof(x))
+    if not missing:
+        return x
+    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+
+
+def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+    """`lax.cond` whose branches may differ in which mesh axes their outputs vary over.
+
+    Under `jax.shard_map`, an emit branch that ends in `psum` returns replica-invariant
+    values while the hold branch returns the replica's own (varying) ones, and
+    `lax.cond` rejects the mismatch. Each output leaf is marked varying over the union
+    of both branches' axes (a type-level cast: no data moves). Elsewhere it is plain
+    `lax.cond`. `pred` must be the same on every replica when a branch holds a
+    collective; the callers make it so.
+    """
+    out_true = jax.eval_shape(true_fn, *operands)
+    out_false = jax.eval_shape(false_fn, *operands)
+    axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), out_true, out_false)
+    if not any(jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, frozenset))):
+        return lax.cond(pred, true_fn, false_fn, *operands)
+
+    def joined(fn: Callable) -> Callable:
+        return lambda *ops: jax.tree.map(_make_varying, fn(*ops), axes)
+
+    return lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
+
+
+def zero_updates(
+    inner: Any, updates: Any, inner_state: Any, params: Any, **extra_args: Any
+) -> Any:
+    """Zeros shaped like the updates `inner.update` would return (traced, never run)."""
+    shapes, _ = jax.eval_shape(
+        lambda u, s, p: inner.update(u, s, p, **extra_args), updates, inner_state, params
+    )
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Leafwise `jnp.where(pred, a, b)`: a selection, never a 0/1 multiply."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+__all__ = [
+    "accumulator_dtype_for",
+    "canonical_reduction",
+    "check_tree_matches",
+    "cond",
+    "floating_dtype",
+    "int32",
+    "local_step_or",
+    "require_axis_name",
+    "require_bound_axis",
+    "require_positive_int",
+    "saturating_add",
+    "tree_select",
+    "zero_updates",
+]

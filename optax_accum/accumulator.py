@@ -1,0 +1,199 @@
+"""The functional ConditionalAccumulator: step-tagged gradient accumulation.
+
+TF1's `tf.ConditionalAccumulator` collects gradients tagged with the step they were
+computed at, silently drops stale ones, and releases their mean (or sum) once enough
+have arrived. `conditional_accumulator` is the same rule as a pure, jit-able Optax
+transform: the release feeds a wrapped optimizer, which runs only on releasing steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_accum import _common
+
+
+class ConditionalAccumulatorState(NamedTuple):
+    """State of `conditional_accumulator`.
+
+    Attributes:
+      global_step: int32, the number of updates released so far (TF's global step).
+        A gradient is accepted iff its `local_step >= global_step`.
+      count: int32, accepted gradients since the last release (summed over replicas
+        under an `axis_name`).
+      num_dropped: int32, stale gradients dropped so far (summed over replicas).
+      emitted: bool, whether the last `update` released an update.
+      accumulator: the running sum of accepted gradients, in the accumulator dtype
+        (under an `axis_name`, each replica holds the sum of its own gradients).
+      inner_state: the wrapped optimizer's state.
+    """
+
+    global_step: jax.Array
+    count: jax.Array
+    num_dropped: jax.Array
+    emitted: jax.Array
+    accumulator: optax.Updates
+    inner_state: optax.OptState
+
+
+NumRequired = int | Callable[[jax.Array], Any]
+
+
+def _num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Array]:
+    """Validates `num_required` and returns it as a function of the global step."""
+    if callable(num_required):
+        return lambda step: jnp.maximum(jnp.asarray(num_required(step), jnp.int32), 1)
+    k = _common.require_positive_int("num_required", num_required)
+    return lambda step: _common.int32(k)
+
+
+def conditional_accumulator(
+    inner: optax.GradientTransformation,
+    num_required: NumRequired,
+    *,
+    reduction: str = "mean",
+    accumulator_dtype: Any = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Accumulates step-tagged gradients and releases their mean to `inner`.
+
+    Each `update` offers one gradient, tagged with the extra argument `local_step`
+    (the global step it was computed at; omitted means up to date). It is accepted
+    iff `local_step >= global_step`; a stale gradient is dropped, counted in
+    `num_dropped`, and changes nothing else. Once `count` accepted gradients reach
+    `num_required`, their aggregate is released: MEAN divides the sum by `count`
+    (all accepted gradients), SUM does not. `inner` transforms the release, its
+    updates are returned, `global_step` advances by one, and the aggregate resets.
+    On every other step the updates are zeros, and `inner` neither runs nor changes.
+
+    With `axis_name`, the accumulator is shared by the replicas of that axis (inside
+    `jax.pmap`, `jax.shard_map` or `jax.vmap`). Each replica offers its own gradient
+    with its own `local_step`; acceptance counts are summed across replicas every
+    step (one scalar all-reduce), and the gradients only on releasing steps (one
+    all-reduce of the tree), so all replicas release together. A straggler whose
+    gradient is stale is simply not counted: TF's backup workers.
+
+    Differences from TF: it is a transform, not a blocking queue (see
+    `ConditionalAccumulator` for that); malformed gradients raise even when stale;
+    float16/bfloat16 accumulate in float32 by default; a non-finite value in a
+    dropped gradient never reaches the state (selection, not a 0/1 multiply).
+
+    Args:
+      inner: the optimizer that transforms each released aggregate.
+      num_required: a positive int, or a schedule `f(global_step) -> int` (as
+        `optax.MultiSteps`' `every_k_schedule`).
+      reduction: "mean" (default) or "sum", in any case.
+      accumulator_dtype: the dtype of the running sum. Default: float32 for float16
+        and bfloat16 params, the params' dtype otherwise. Updates come back in the
+        gradients' dtypes.
+      axis_name: optional name (or tuple of names) of a mapped axis whose replicas
+        share the accumulator.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `ConditionalAccumulatorState`.
+
+    Raises:
+      TypeError / ValueError: for a bad argument, naming it; at trace time, for
+        gradients whose structure, shapes or dtypes do not match the params, and for a
+        non-integer or non-scalar `local_step`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> u, state = tx.update(jnp.array([1.0, 2.0]), state, local_step=0)
+      >>> u  # held: zeros
+      Array([0., 0.], dtype=float32)
+      >>> u, state = tx.update(jnp.array([9.0, 9.0]), state, local_step=-1)  # stale
+      >>> u, state = tx.update(jnp.array([3.0, 4.0]), state, local_step=0)
+      >>> u  # minus the mean of the two accepted gradients
+      Array([-2., -3.], dtype=float32)
+      >>> int(optax_accum.global_step(state)), int(state.num_dropped)
+      (1, 1)
+    """
+    inner = optax.with_extra_args_support(inner)
+    required = _num_required_fn(num_required)
+    mean = _common.canonical_reduction(reduction) == "mean"
+    acc_dtype = _common.floating_dtype("accumulator_dtype", accumulator_dtype)
+    axis_name = _common.require_axis_name("axis_name", axis_name)
+
+    def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
+        zero = _common.int32(0)
+        return ConditionalAccumulatorState(
+            global_step=zero,
+            count=zero,
+            num_dropped=zero,
+            emitted=jnp.asarray(False),
+            accumulator=jax.tree.map(
+                lambda p: jnp.zeros(
+                    jnp.shape(p), _common.accumulator_dtype_for(jnp.result_type(p), acc_dtype)
+                ),
+                params,
+            ),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: ConditionalAccumulatorState,
+        params: optax.Params | None = None,
+        *,
+        local_step: Any = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
+        _common.check_tree_matches(updates, state.accumulator, what="updates")
+        step = _common.local_step_or(local_step, state.global_step)
+        accepted = step >= state.global_step
+        accumulator = jax.tree.map(
+            lambda a, g: jnp.where(accepted, a + g.astype(a.dtype), a),
+            state.accumulator,
+            updates,
+        )
+        arrived = jnp.stack([accepted, ~accepted]).astype(jnp.int32)
+        if axis_name is not None:
+            _common.require_bound_axis(axis_name)
+            arrived = lax.psum(arrived, axis_name)
+        count = _common.saturating_add(state.count, arrived[0])
+        num_dropped = _common.saturating_add(state.num_dropped, arrived[1])
+        emit = count >= required(state.global_step)
+
+        def release(accumulator, inner_state):
+            total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
+            if mean:
+                total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
+            aggregate = optax.tree.cast_like(total, updates)
+            new_updates, inner_state = inner.update(
+                aggregate, inner_state, params, **extra_args
+            )
+            return new_updates, inner_state, optax.tree.zeros_like(accumulator)
+
+        def hold(accumulator, inner_state):
+            held = _common.zero_updates(inner, updates, inner_state, params, **extra_args)
+            return held, inner_state, accumulator
+
+        new_updates, inner_state, accumulator = _common.cond(
+            emit, release, hold, accumulator, state.inner_state
+        )
+        new_state = ConditionalAccumulatorState(
+            global_step=jnp.where(emit, optax.safe_increment(state.global_step),
+                                  state.global_step),
+            count=jnp.where(emit, 0, count),
+            num_dropped=num_dropped,
+            emitted=emit,
+            accumulator=accumulator,
+            inner_state=inner_state,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+__all__ = ["ConditionalAccumulatorState", "conditional_accumulator"]

@@ -1,0 +1,16 @@
+"""Test configuration: 8 host CPU devices and strict dtype promotion.
+
+Both must be set before JAX initialises its backends, so this runs at import time,
+before any test module imports jax.numpy.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
