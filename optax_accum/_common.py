@@ -66,6 +66,13 @@ def require_bound_axis(axis_name: Any, *, argname: str = "axis_name") -> None:
             ) from None
 
 
+def require_bool(name: str, value: Any) -> bool:
+    """Returns `value` if it is a Python bool; TypeError otherwise."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def floating_dtype(name: str, dtype: Any) -> np.dtype | None:
     """Returns `dtype` as a NumPy floating dtype (None stays None); TypeError otherwise."""
     if dtype is None:
@@ -146,6 +153,14 @@ def check_tree_matches(updates: Any, reference: Any, *, what: str = "updates") -
 # --------------------------------------------------------------------------- counters
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: True iff no leaf of `tree` holds a NaN or Inf."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
 def saturating_add(count: jax.Array, increment: jax.Array) -> jax.Array:
     """int32 `count + increment` (increment >= 0) that stops at the int32 maximum.
 
@@ -197,9 +212,7 @@ def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any)
     return lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
 
 
-def zero_updates(
-    inner: Any, updates: Any, inner_state: Any, params: Any, **extra_args: Any
-) -> Any:
+def zero_updates(inner: Any, updates: Any, inner_state: Any, params: Any, **extra_args: Any) -> Any:
     """Zeros shaped like the updates `inner.update` would return (traced, never run)."""
     shapes, _ = jax.eval_shape(
         lambda u, s, p: inner.update(u, s, p, **extra_args), updates, inner_state, params
@@ -214,6 +227,7 @@ def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 __all__ = [
     "accumulator_dtype_for",
+    "all_finite",
     "canonical_reduction",
     "check_tree_matches",
     "cond",
@@ -221,6 +235,7 @@ __all__ = [
     "int32",
     "local_step_or",
     "require_axis_name",
+    "require_bool",
     "require_bound_axis",
     "require_positive_int",
     "saturating_add",

@@ -28,6 +28,8 @@ class ConditionalAccumulatorState(NamedTuple):
       count: int32, accepted gradients since the last release (summed over replicas
         under an `axis_name`).
       num_dropped: int32, stale gradients dropped so far (summed over replicas).
+      num_nonfinite: int32, gradients skipped for holding a NaN or Inf (only with
+        `skip_nonfinite=True`; summed over replicas).
       emitted: bool, whether the last `update` released an update.
       accumulator: the running sum of accepted gradients, in the accumulator dtype
         (under an `axis_name`, each replica holds the sum of its own gradients).
@@ -37,6 +39,7 @@ class ConditionalAccumulatorState(NamedTuple):
     global_step: jax.Array
     count: jax.Array
     num_dropped: jax.Array
+    num_nonfinite: jax.Array
     emitted: jax.Array
     accumulator: optax.Updates
     inner_state: optax.OptState
@@ -60,6 +63,7 @@ def conditional_accumulator(
     reduction: str = "mean",
     accumulator_dtype: Any = None,
     axis_name: Any = None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates step-tagged gradients and releases their mean to `inner`.
 
@@ -94,6 +98,9 @@ def conditional_accumulator(
         gradients' dtypes.
       axis_name: optional name (or tuple of names) of a mapped axis whose replicas
         share the accumulator.
+      skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped (neither
+        accumulated nor counted as accepted) and counted in `num_nonfinite`. By
+        default it is accumulated as given, as TF does.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -124,6 +131,7 @@ def conditional_accumulator(
     mean = _common.canonical_reduction(reduction) == "mean"
     acc_dtype = _common.floating_dtype("accumulator_dtype", accumulator_dtype)
     axis_name = _common.require_axis_name("axis_name", axis_name)
+    skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
         zero = _common.int32(0)
@@ -131,6 +139,7 @@ def conditional_accumulator(
             global_step=zero,
             count=zero,
             num_dropped=zero,
+            num_nonfinite=zero,
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
                 lambda p: jnp.zeros(
@@ -151,18 +160,21 @@ def conditional_accumulator(
     ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
         _common.check_tree_matches(updates, state.accumulator, what="updates")
         step = _common.local_step_or(local_step, state.global_step)
-        accepted = step >= state.global_step
+        fresh = step >= state.global_step
+        finite = _common.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
+        accepted = fresh & finite
         accumulator = jax.tree.map(
             lambda a, g: jnp.where(accepted, a + g.astype(a.dtype), a),
             state.accumulator,
             updates,
         )
-        arrived = jnp.stack([accepted, ~accepted]).astype(jnp.int32)
+        arrived = jnp.stack([accepted, ~fresh, fresh & ~finite]).astype(jnp.int32)
         if axis_name is not None:
             _common.require_bound_axis(axis_name)
             arrived = lax.psum(arrived, axis_name)
         count = _common.saturating_add(state.count, arrived[0])
         num_dropped = _common.saturating_add(state.num_dropped, arrived[1])
+        num_nonfinite = _common.saturating_add(state.num_nonfinite, arrived[2])
         emit = count >= required(state.global_step)
 
         def release(accumulator, inner_state):
@@ -170,9 +182,7 @@ def conditional_accumulator(
             if mean:
                 total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
             aggregate = optax.tree.cast_like(total, updates)
-            new_updates, inner_state = inner.update(
-                aggregate, inner_state, params, **extra_args
-            )
+            new_updates, inner_state = inner.update(aggregate, inner_state, params, **extra_args)
             return new_updates, inner_state, optax.tree.zeros_like(accumulator)
 
         def hold(accumulator, inner_state):
@@ -183,10 +193,10 @@ def conditional_accumulator(
             emit, release, hold, accumulator, state.inner_state
         )
         new_state = ConditionalAccumulatorState(
-            global_step=jnp.where(emit, optax.safe_increment(state.global_step),
-                                  state.global_step),
+            global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
             count=jnp.where(emit, 0, count),
             num_dropped=num_dropped,
+            num_nonfinite=num_nonfinite,
             emitted=emit,
             accumulator=accumulator,
             inner_state=inner_state,

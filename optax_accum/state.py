@@ -136,9 +136,7 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     if new_global_step is None:
         raise TypeError("new_global_step must be an integer scalar, got None")
     found = _step_state(state, "global_step")
-    new = _common.local_step_or(
-        new_global_step, found.global_step, argname="new_global_step"
-    )
+    new = _common.local_step_or(new_global_step, found.global_step, argname="new_global_step")
     old = found.global_step
     if not isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer):
         if int(new) < int(old):
