@@ -112,7 +112,7 @@ def local_step_or(local_step: Any, default: jax.Array, *, argname: str = "local_
     """
     if local_step is None:
         return default
-    if isinstance(local_step, bool) or isinstance(local_step, float | complex | str):
+    if isinstance(local_step, bool | float | complex | str):
         raise TypeError(f"{argname} must be an integer scalar, got {local_step!r}")
     try:
         dtype = jnp.result_type(local_step)

@@ -138,13 +138,13 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     found = _step_state(state, "global_step")
     new = _common.local_step_or(new_global_step, found.global_step, argname="new_global_step")
     old = found.global_step
-    if not isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer):
-        if int(new) < int(old):
-            warnings.warn(
-                f"set_global_step: new global step {int(new)} is lower than the current "
-                f"{int(old)}; gradients tagged with older steps are accepted again",
-                stacklevel=2,
-            )
+    concrete = not isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer)
+    if concrete and int(new) < int(old):
+        warnings.warn(
+            f"set_global_step: new global step {int(new)} is lower than the current "
+            f"{int(old)}; gradients tagged with older steps are accepted again",
+            stacklevel=2,
+        )
     new = jnp.asarray(new, dtype=np.int32)
     return _replace(state, found, found._replace(global_step=new))
 
