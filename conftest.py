@@ -1,7 +1,9 @@
 """Test configuration: 8 host CPU devices and strict dtype promotion.
 
 Both must be set before JAX initialises its backends, so this runs at import time,
-before any test module imports jax.numpy.
+before any test module imports jax.numpy. optax's Adam is not clean under strict
+promotion (`decay ** count`); tests wrap such third-party optimizers in
+`_cases.lenient` (or use `_cases.adam`), which keeps optax_accum's own code strict.
 """
 
 import os

@@ -32,6 +32,32 @@ import optax_accum
 REPLICAS = 2
 
 
+def lenient(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner` traced under standard dtype promotion.
+
+    The suite runs with strict promotion so optax_accum's own code cannot up-cast
+    silently, but optax's Adam computes `decay ** count` (float ** int32), which
+    strict mode rejects. Wrapping a third-party optimizer in `lenient` keeps our code
+    strict and theirs as they ship it.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adam(learning_rate: float = 0.1, **kw) -> optax.GradientTransformationExtraArgs:
+    """optax.adam under `lenient` promotion."""
+    return lenient(optax.adam(learning_rate, **kw))
+
+
 def _params() -> dict:
     return {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3), "b": jnp.zeros(3)}
 
@@ -70,7 +96,7 @@ CASES: list[Case] = [
     Case(
         name="conditional_accumulator",
         make=lambda axis: optax_accum.conditional_accumulator(
-            optax.adam(0.1), num_required=2, axis_name=axis
+            adam(0.1), num_required=2, axis_name=axis
         ),
         extra_args=_stale_every_third,
         hold_step=lambda i: i % 3 == 0,
@@ -89,7 +115,7 @@ CASES: list[Case] = [
     Case(
         name="conditional_accumulator_shared",
         make=lambda axis: optax_accum.conditional_accumulator(
-            optax.adam(0.1), num_required=2 * REPLICAS, axis_name=axis or "replicas"
+            adam(0.1), num_required=2 * REPLICAS, axis_name=axis or "replicas"
         ),
         needs_axis=True,
         extra_args=_stale_every_third,
@@ -101,31 +127,93 @@ CASES: list[Case] = [
 CASE_IDS = [c.name for c in CASES]
 
 
-def run(case: Case, steps: int, *, tx: Any = None, axis: str = "replicas") -> tuple[Any, Any]:
-    """Runs `steps` jitted updates of `case` from scratch; returns (params, state).
+def _stack(trees: list) -> Any:
+    return jax.tree.map(lambda *x: jnp.stack(x), *trees)
 
-    Under `needs_axis`, runs `REPLICAS` replicas with `jax.vmap(axis_name=axis)` and
-    returns replica 0's params and state.
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _nan_like(tree: Any) -> Any:
+    return jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), tree)
+
+
+def _step_inputs(case: Case, i: int, poison: frozenset[int]) -> Any:
+    """The gradient offered at step i (all replicas stacked under an axis)."""
+    if case.needs_axis:
+        grads = _stack([case.replica_grads(i, r) for r in range(REPLICAS)])
+    else:
+        grads = case.grads(i)
+    return _nan_like(grads) if i in poison else grads
+
+
+def trajectory(
+    case: Case,
+    steps: int,
+    *,
+    tx: Any = None,
+    poison: frozenset[int] = frozenset(),
+    axis: str = "replicas",
+) -> tuple[Any, Any, list]:
+    """Runs `steps` jitted updates of `case` from scratch.
+
+    Returns (params, state, updates per step). Steps in `poison` get all-NaN
+    gradients. Under `needs_axis`, `REPLICAS` replicas run under
+    `jax.vmap(axis_name=axis)`, and replica 0's params, state and updates come back.
     """
     tx = tx if tx is not None else case.make(axis if case.needs_axis else None)
     params = case.params()
 
     def step(params, state, grads, extra):
         updates, state = tx.update(grads, state, params, **extra)
-        return case.apply_updates(params, updates), state
+        return case.apply_updates(params, updates), state, updates
 
     if case.needs_axis:
-        stack = lambda t: jax.tree.map(lambda *x: jnp.stack(x), *t)  # noqa: E731
-        params = stack([params] * REPLICAS)
+        params = _stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
         fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name=axis))
-        for i in range(steps):
-            grads = stack([case.replica_grads(i, r) for r in range(REPLICAS)])
-            params, state = fn(params, state, grads, case.extra_args(i))
-        first = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
-        return first(params), first(state)
-    state = tx.init(params)
-    fn = jax.jit(step)
+    else:
+        state = tx.init(params)
+        fn = jax.jit(step)
+    history = []
     for i in range(steps):
-        params, state = fn(params, state, case.grads(i), case.extra_args(i))
+        params, state, updates = fn(
+            params, state, _step_inputs(case, i, poison), case.extra_args(i)
+        )
+        history.append(_first(updates) if case.needs_axis else updates)
+    if case.needs_axis:
+        return _first(params), _first(state), history
+    return params, state, history
+
+
+def run(case: Case, steps: int, *, tx: Any = None) -> tuple[Any, Any]:
+    """(params, state) after `steps` jitted updates of `case` from scratch."""
+    params, state, _ = trajectory(case, steps, tx=tx)
     return params, state
+
+
+def scan_run(case: Case, steps: int, *, tx: Any = None, axis: str = "replicas") -> tuple:
+    """The same run as `run`, but all steps inside one `jax.lax.scan`."""
+    tx = tx if tx is not None else case.make(axis if case.needs_axis else None)
+    grads = _stack([_step_inputs(case, i, frozenset()) for i in range(steps)])
+    extras = _stack([case.extra_args(i) for i in range(steps)])
+
+    def many(params, grads, extras):
+        def body(carry, xs):
+            params, state = carry
+            g, extra = xs
+            updates, state = tx.update(g, state, params, **extra)
+            return (case.apply_updates(params, updates), state), None
+
+        (params, state), _ = jax.lax.scan(body, (params, tx.init(params)), (grads, extras))
+        return params, state
+
+    params = case.params()
+    if case.needs_axis:
+        params = _stack([params] * REPLICAS)
+        grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1), grads)
+        fn = jax.vmap(many, in_axes=(0, 0, None), axis_name=axis)
+        params, state = jax.jit(fn)(params, grads, extras)
+        return _first(params), _first(state)
+    return jax.jit(many)(params, grads, extras)
