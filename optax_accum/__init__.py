@@ -6,6 +6,7 @@ communication-saving local SGD (AGN), for one CPU and for a TPU pod alike.
 """
 
 from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
+from optax_accum.agn import AGNState, agn
 from optax_accum.flax_train_state import TrainState
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
 from optax_accum.state import global_step, has_updated, num_accumulated, set_global_step
@@ -13,9 +14,11 @@ from optax_accum.state import global_step, has_updated, num_accumulated, set_glo
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGNState",
     "ConditionalAccumulatorState",
     "IndexedSlices",
     "TrainState",
+    "agn",
     "apply_updates",
     "conditional_accumulator",
     "densify",

@@ -1,0 +1,260 @@
+"""AGN: local SGD that syncs a shared centre every `communication_period` steps.
+
+TF1's `tf.contrib.opt.AGNOptimizer` (Accumulated Gradient Normalization, Hermans et
+al., ACML 2017) lets each worker take `communication_period` steps on its own
+parameters, then commits the normalised sum of its gradients to a shared centre and
+restarts from it. `agn` is that rule as an Optax transform: the workers are the
+replicas of a mapped axis, the commit is one `pmean` that runs only on sync steps,
+and the centre lives in the state, so it checkpoints with everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_accum import _common
+
+COMMITS = ("gradients", "delta")
+
+
+class AGNState(NamedTuple):
+    """State of `agn`.
+
+    Attributes:
+      global_step: int32, communication rounds so far (TF's global step).
+      count: int32, local steps since the last sync (0 right after one), so
+        `num_accumulated(state)` is the number of gradients in this round.
+      num_nonfinite: int32, gradients skipped for holding a NaN or Inf (only with
+        `skip_nonfinite=True`; this replica's own count, never all-reduced).
+      emitted: bool, whether the last `update` was a sync step (the centre moved and
+        the local parameters were pulled to it).
+      accumulator: the sum of this round's raw gradients, in the accumulator dtype
+        (this replica's own). Empty in the delta variant, which needs none.
+      centre: the shared centre parameters (TF's global centre variables); the same on
+        every replica.
+      inner_state: the local optimizer's state (this replica's own), kept across syncs.
+      outer_state: the state of the optimizer that moves the centre.
+    """
+
+    global_step: jax.Array
+    count: jax.Array
+    num_nonfinite: jax.Array
+    emitted: jax.Array
+    accumulator: optax.Updates
+    centre: optax.Params
+    inner_state: optax.OptState
+    outer_state: optax.OptState
+
+
+def _canonical_commit(commit: Any) -> str:
+    if isinstance(commit, str) and commit.lower() in COMMITS:
+        return commit.lower()
+    raise ValueError(f'commit must be "gradients" or "delta", got {commit!r}')
+
+
+def agn(
+    inner: optax.GradientTransformation,
+    communication_period: int,
+    *,
+    axis_name: Any = None,
+    outer: optax.GradientTransformation | None = None,
+    commit: str = "gradients",
+    accumulator_dtype: Any = None,
+    skip_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Local SGD with a centre that moves every `communication_period` steps (AGN).
+
+    Each `update` is one local step: `inner` updates this worker's own parameters
+    (the `params` argument, required), the raw gradient is added to an accumulator,
+    and `count` advances. Every `communication_period`-th step is a sync step: the
+    accumulator divided by the period (the "normalised accumulated gradient") is
+    averaged over `axis_name`, `outer` moves the centre with it, `global_step`
+    advances, the accumulator resets, and the returned updates take `params` to the
+    new centre (`params + updates` is the centre up to the rounding of one
+    subtraction; exact whenever the two are within a factor of two). The local
+    optimizer's state is kept across syncs, as in TF.
+
+    Only sync steps communicate: the `pmean` sits inside a `lax.cond` whose predicate
+    is the step counter, the same on every replica, so the other steps compile to no
+    collective at all. Initialise every replica from the same params (TF's
+    `get_init_op`), so that they start from, and keep, the same centre.
+
+    Two commits are offered:
+
+    - `commit="gradients"` (default, TF's): the centre follows the averaged gradient
+      sum through `outer`, by default the same optimizer as `inner` with its own
+      state. The right choice to reproduce TF, and when the centre should take
+      optimizer steps of its own (e.g. Adam on the averaged gradient).
+    - `commit="delta"` (the paper's, and DiLoCo's): the pseudo-gradient is
+      `(centre - local) / communication_period`, where `local` is this step's updated
+      local parameters, so everything `inner` did (momentum, Adam scaling, weight
+      decay, clipping) reaches the centre. `outer` defaults to `optax.sgd(1.0)`, the
+      paper's rule; `optax.sgd(communication_period)` is plain model averaging (the
+      centre becomes the mean of the local parameters), and DiLoCo is
+      `optax.sgd(0.7 * communication_period, momentum=0.9, nesterov=True)`. It needs
+      no accumulator. Right for adaptive or momentum `inner` optimizers, whose
+      steps are not proportional to the gradient. For `inner=optax.sgd(lr)` with a
+      constant `lr`, the delta commit with `outer=optax.sgd(lr_out / lr)` equals the
+      gradient commit with `outer=optax.sgd(lr_out)`.
+
+    Either way the centre moves once per round by about one step's worth, so with the
+    default `outer` the centre advances `communication_period` times fewer steps than
+    synchronous SGD on the same data; scale `outer`'s learning rate by the period to
+    compensate (see `benchmarks/agn.py`).
+
+    Differences from TF: the local and centre optimizer states are separate (TF shares
+    Adam's beta powers between them, a bug); workers are the replicas of `axis_name`
+    rather than parameter-server tasks, and average their commits instead of applying
+    them one by one; `num_worker` is not needed; `outer` and `commit` are additions.
+
+    Args:
+      inner: the local optimizer each worker runs on its own parameters every step.
+      communication_period: a positive int, local steps per communication round.
+      axis_name: optional name (or tuple of names) of the mapped axis whose replicas
+        are the workers (inside `jax.pmap`, `jax.shard_map` or `jax.vmap`).
+      outer: the optimizer that moves the centre; its schedules count rounds. Default:
+        `inner` (with its own state) for `commit="gradients"`, `optax.sgd(1.0)` for
+        `commit="delta"`.
+      commit: "gradients" (TF's AGN, default) or "delta" (the paper's and DiLoCo's).
+      accumulator_dtype: the dtype of the gradient sum. Default: float32 for float16
+        and bfloat16 params, the params' dtype otherwise.
+      skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped (the local
+        step still counts, so replicas stay in step, but neither `inner` nor the
+        accumulator sees it) and counted in `num_nonfinite`. By default it is used as
+        given, as TF does.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is an `AGNState`.
+      Extra arguments are passed on to `inner` and `outer`.
+
+    Raises:
+      TypeError / ValueError: for a bad argument, naming it; at trace time, when
+        `params` is missing, and for gradients or params whose structure, shapes or
+        dtypes do not match the params given to `init`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.agn(optax.sgd(0.1), communication_period=3)
+      >>> params = jnp.array([1.0])
+      >>> state = tx.init(params)
+      >>> for t in (1.0, 2.0, 3.0):  # gradient t at local step t
+      ...     updates, state = tx.update(jnp.array([t]), state, params)
+      ...     params = optax.apply_updates(params, updates)
+      ...     print(round(float(params[0]), 4), int(optax_accum.global_step(state)))
+      0.9 0
+      0.7 0
+      0.8 1
+      >>> float(state.centre[0])  # 1 - 0.1 * (1 + 2 + 3) / 3
+      0.8
+    """
+    inner = optax.with_extra_args_support(inner)
+    period = _common.require_positive_int("communication_period", communication_period)
+    axis_name = _common.require_axis_name("axis_name", axis_name)
+    commit = _canonical_commit(commit)
+    delta = commit == "delta"
+    if outer is None:
+        outer = optax.sgd(1.0) if delta else inner
+    outer = optax.with_extra_args_support(outer)
+    acc_dtype = _common.floating_dtype("accumulator_dtype", accumulator_dtype)
+    skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
+
+    def sum_dtype(x: Any) -> Any:
+        return _common.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
+
+    def init_fn(params: optax.Params) -> AGNState:
+        zero = _common.int32(0)
+        accumulator = (
+            () if delta else jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), sum_dtype(p)), params)
+        )
+        return AGNState(
+            global_step=zero,
+            count=zero,
+            num_nonfinite=zero,
+            emitted=jnp.asarray(False),
+            accumulator=accumulator,
+            centre=jax.tree.map(jnp.asarray, params),
+            inner_state=inner.init(params),
+            outer_state=outer.init(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: AGNState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, AGNState]:
+        if params is None:
+            raise ValueError(
+                "agn needs params: call update(grads, state, params) with this worker's "
+                "current (local) parameters, got params=None"
+            )
+        _common.check_tree_matches(updates, state.centre, what="updates")
+        _common.check_tree_matches(params, state.centre, what="params")
+        if axis_name is not None:
+            _common.require_bound_axis(axis_name)
+
+        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        accumulator = state.accumulator
+        num_nonfinite = state.num_nonfinite
+        if skip_nonfinite:
+            finite = _common.all_finite(updates)
+            local_updates = _common.tree_select(
+                finite, local_updates, optax.tree.zeros_like(local_updates)
+            )
+            inner_state = _common.tree_select(finite, inner_state, state.inner_state)
+            num_nonfinite = _common.saturating_add(num_nonfinite, (~finite).astype(jnp.int32))
+        else:
+            finite = jnp.asarray(True)
+        if not delta:
+            accumulator = jax.tree.map(
+                lambda a, g: jnp.where(finite, a + g.astype(a.dtype), a), accumulator, updates
+            )
+        count = state.count + 1
+        sync = count >= period
+
+        def commit_round(accumulator, centre, outer_state):
+            if delta:
+                local = optax.apply_updates(params, local_updates)
+                pseudo = jax.tree.map(
+                    lambda c, p: (c.astype(sum_dtype(c)) - p.astype(sum_dtype(c))) / period,
+                    centre,
+                    local,
+                )
+            else:
+                pseudo = jax.tree.map(lambda a: a / period, accumulator)
+            if axis_name is not None:
+                pseudo = lax.pmean(pseudo, axis_name)
+            pseudo = optax.tree.cast_like(pseudo, centre)
+            outer_updates, outer_state = outer.update(pseudo, outer_state, centre, **extra_args)
+            centre = optax.apply_updates(centre, outer_updates)
+            pull = jax.tree.map(lambda c, p: c - p, centre, params)
+            pull = optax.tree.cast_like(pull, local_updates)
+            return pull, optax.tree.zeros_like(accumulator), centre, outer_state
+
+        def local_step(accumulator, centre, outer_state):
+            return local_updates, accumulator, centre, outer_state
+
+        new_updates, accumulator, centre, outer_state = _common.cond(
+            sync, commit_round, local_step, accumulator, state.centre, state.outer_state
+        )
+        new_state = AGNState(
+            global_step=jnp.where(sync, optax.safe_increment(state.global_step), state.global_step),
+            count=jnp.where(sync, 0, count),
+            num_nonfinite=num_nonfinite,
+            emitted=sync,
+            accumulator=accumulator,
+            centre=centre,
+            inner_state=inner_state,
+            outer_state=outer_state,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+__all__ = ["AGNState", "agn"]
