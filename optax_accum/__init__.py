@@ -7,8 +7,14 @@ communication-saving local SGD (AGN), for one CPU and for a TPU pod alike.
 
 from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
 from optax_accum.agn import AGNState, agn
+from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.flax_train_state import TrainState
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
+from optax_accum.staleness import (
+    DropStaleGradientsState,
+    drop_stale_gradients,
+    staleness_percentage,
+)
 from optax_accum.state import global_step, has_updated, num_accumulated, set_global_step
 
 __version__ = "0.1.0"
@@ -16,14 +22,19 @@ __version__ = "0.1.0"
 __all__ = [
     "AGNState",
     "ConditionalAccumulatorState",
+    "DropStaleGradientsState",
     "IndexedSlices",
     "TrainState",
     "agn",
     "apply_updates",
     "conditional_accumulator",
+    "cross_shard",
+    "cross_shard_optimizer",
     "densify",
+    "drop_stale_gradients",
     "global_step",
     "has_updated",
     "num_accumulated",
     "set_global_step",
+    "staleness_percentage",
 ]

@@ -1,0 +1,210 @@
+"""Dropping gradients computed too many steps ago: TF's DropStaleGradientOptimizer.
+
+In asynchronous training a worker computes a gradient at the global step it last saw
+and applies it later, after other workers have moved the parameters on. TF1's
+`tf.contrib.opt.DropStaleGradientOptimizer` compares the two steps and drops the whole
+update when the gap exceeds a threshold. `drop_stale_gradients` is that rule as an
+Optax wrapper: the gap is checked in `update`, and the wrapped optimizer runs only on
+accepted steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optax_accum import _common
+
+
+class DropStaleGradientsState(NamedTuple):
+    """State of `drop_stale_gradients`.
+
+    Attributes:
+      global_step: int32, the number of accepted updates (TF's global step).
+      num_dropped: int32, the number of updates dropped as too stale.
+      emitted: bool, whether the last `update` was accepted (and ran `inner`).
+      inner_state: the wrapped optimizer's state.
+    """
+
+    global_step: jax.Array
+    num_dropped: jax.Array
+    emitted: jax.Array
+    inner_state: optax.OptState
+
+
+def _check_staleness(staleness: Any) -> Any:
+    """Python numbers must be ints; arrays (traced, or from inject_hyperparams) pass."""
+    if isinstance(staleness, bool | float | complex | str):
+        raise TypeError(
+            f"staleness must be an int (or an int/float scalar array), got {staleness!r}"
+        )
+    if isinstance(staleness, int | np.integer):
+        return int(np.clip(staleness, np.iinfo(np.int32).min, np.iinfo(np.int32).max))
+    if not hasattr(staleness, "dtype") or jnp.ndim(staleness) != 0:
+        raise TypeError(f"staleness must be a scalar, got {staleness!r}")
+    return staleness
+
+
+def _lag(global_step: jax.Array, local_step: jax.Array) -> jax.Array:
+    """`global_step - local_step` in int32, saturating instead of wrapping."""
+    lag = global_step - local_step
+    wrapped = ((global_step ^ local_step) & (global_step ^ lag)) < 0
+    limit = jnp.where(global_step >= 0, np.iinfo(np.int32).max, np.iinfo(np.int32).min)
+    return jnp.where(wrapped, limit, lag).astype(jnp.int32)
+
+
+def _within(lag: jax.Array, staleness: Any) -> jax.Array:
+    """`lag <= staleness`, for an int or floating (possibly traced) staleness."""
+    staleness = jnp.asarray(staleness)
+    if jnp.issubdtype(staleness.dtype, jnp.floating):
+        return lag.astype(staleness.dtype) <= staleness
+    if not jnp.issubdtype(staleness.dtype, jnp.integer):
+        raise TypeError(f"staleness must be an int or float scalar, got dtype {staleness.dtype}")
+    return lag <= staleness.astype(jnp.int32)
+
+
+def drop_stale_gradients(
+    inner: optax.GradientTransformation,
+    staleness: Any,
+    *,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Drops updates whose gradient was computed more than `staleness` steps ago.
+
+    Each `update` takes the step its gradient was computed at as the extra argument
+    `local_step` (omitted: computed now). The update is accepted iff
+    `global_step - local_step <= staleness`: `inner` runs, its updates are returned,
+    and `global_step` advances by one. Otherwise it is dropped: the updates are zeros,
+    `inner` neither runs nor changes, `global_step` stays, and `num_dropped` grows.
+    `staleness` 0 accepts only up-to-date gradients; a negative one drops everything.
+    `staleness_percentage(state)` is TF's drop fraction, `num_dropped / (global_step
+    + 1)`.
+
+    With `axis_name`, the replicas of that mapped axis take one decision together:
+    the step is accepted iff every replica's gradient is fresh enough (one scalar
+    all-reduce), and dropped as a whole when any replica's is too stale, so a
+    collective inside `inner` (e.g. `cross_shard_optimizer`) is reached by all
+    replicas or by none. The state stays identical on all replicas. To keep the
+    fresh replicas' gradients and drop only the stragglers', use
+    `conditional_accumulator(..., axis_name=...)` instead.
+
+    Differences from TF: none in the rule. A NaN or Inf in a dropped gradient never
+    reaches the state; `staleness` may be a traced scalar (it works under
+    `optax.inject_hyperparams`).
+
+    Args:
+      inner: the optimizer applied to accepted gradients.
+      staleness: the largest accepted gap between the global step and `local_step`:
+        a Python int, or an int or float scalar array (traced is fine).
+      axis_name: optional name (or tuple of names) of a mapped axis whose replicas
+        decide together.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `DropStaleGradientsState`.
+
+    Raises:
+      TypeError: at construction for a `staleness` that is not an int or a scalar
+        array; at trace time for a non-integer or non-scalar `local_step`.
+      ValueError: at trace time, when `axis_name` is not bound by the caller.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.drop_stale_gradients(optax.sgd(1.0), staleness=1)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> g = jnp.array([1.0])
+      >>> u, state = tx.update(g, state, local_step=0)  # lag 0: accepted
+      >>> u, state = tx.update(g, state, local_step=0)  # lag 1: accepted
+      >>> u, state = tx.update(g, state, local_step=0)  # lag 2: dropped
+      >>> u, int(optax_accum.global_step(state)), int(state.num_dropped)
+      (Array([0.], dtype=float32), 2, 1)
+      >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
+      0.333
+    """
+    inner = optax.with_extra_args_support(inner)
+    staleness = _check_staleness(staleness)
+    axis_name = _common.require_axis_name("axis_name", axis_name)
+
+    def init_fn(params: optax.Params) -> DropStaleGradientsState:
+        zero = _common.int32(0)
+        return DropStaleGradientsState(
+            global_step=zero,
+            num_dropped=zero,
+            emitted=jnp.asarray(False),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: DropStaleGradientsState,
+        params: optax.Params | None = None,
+        *,
+        local_step: Any = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, DropStaleGradientsState]:
+        step = _common.local_step_or(local_step, state.global_step)
+        accept = _within(_lag(state.global_step, step), staleness)
+        if axis_name is not None:
+            _common.require_bound_axis(axis_name)
+            accept = lax.pmin(accept.astype(jnp.int32), axis_name) > 0
+
+        def apply(inner_state):
+            return inner.update(updates, inner_state, params, **extra_args)
+
+        def drop(inner_state):
+            return _common.zero_updates(inner, updates, inner_state, params, **extra_args), (
+                inner_state
+            )
+
+        new_updates, inner_state = _common.cond(accept, apply, drop, state.inner_state)
+        new_state = DropStaleGradientsState(
+            global_step=jnp.where(
+                accept, optax.safe_increment(state.global_step), state.global_step
+            ),
+            num_dropped=jnp.where(
+                accept, state.num_dropped, optax.safe_increment(state.num_dropped)
+            ),
+            emitted=accept,
+            inner_state=inner_state,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _find_state(state: Any) -> DropStaleGradientsState:
+    is_ours = lambda n: isinstance(n, DropStaleGradientsState)  # noqa: E731
+    found = [n for n in jax.tree.leaves(state, is_leaf=is_ours) if is_ours(n)]
+    if not found:
+        raise ValueError(
+            f"state holds no DropStaleGradientsState (from drop_stale_gradients); got "
+            f"{type(state).__name__}"
+        )
+    return found[0]
+
+
+def staleness_percentage(state: Any) -> jax.Array:
+    """TF's "staleness percentage": dropped updates / (global step + 1), as a fraction.
+
+    Reads the outermost `drop_stale_gradients` state inside `state` (also inside
+    `optax.chain` or `optax.inject_hyperparams` states). A float32 scalar in [0, 1]
+    while fewer updates were dropped than accepted; like TF's, it is not bounded by 1.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.drop_stale_gradients(optax.sgd(1.0), staleness=-1)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> _, state = tx.update(jnp.ones(1), state)  # negative staleness drops all
+      >>> float(optax_accum.staleness_percentage(state))
+      1.0
+    """
+    found = _find_state(state)
+    return found.num_dropped.astype(jnp.float32) / (found.global_step.astype(jnp.float32) + 1.0)
+
+
+__all__ = ["DropStaleGradientsState", "drop_stale_gradients", "staleness_percentage"]
