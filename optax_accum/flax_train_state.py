@@ -15,9 +15,6 @@ from flax.training import train_state
 
 from optax_accum.indexed_slices import apply_updates
 
-# The key flax uses for variables that are overwritten by their gradient, not optimised.
-_OVERWRITE_WITH_GRADIENT = "overwrite_with_gradient"
-
 
 class TrainState(train_state.TrainState):
     """`flax.training.train_state.TrainState` that forwards extra args to `tx.update`.
@@ -62,7 +59,7 @@ class TrainState(train_state.TrainState):
 
         Args:
           grads: gradients with the structure of `params` (as in Flax, a
-            `{"params": ..., "overwrite_with_gradient": ...}` split is honoured).
+            `{"params": ..., "_overwrite_with_gradient": ...}` split is honoured).
           **kwargs: keywords naming a field of this state replace that field; all
             others (e.g. `local_step`) are passed to `tx.update`.
 
@@ -82,7 +79,7 @@ class TrainState(train_state.TrainState):
         fields = set(self.__dataclass_fields__)
         replace = {k: v for k, v in kwargs.items() if k in fields}
         extra_args = {k: v for k, v in kwargs.items() if k not in fields}
-        split = isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads
+        split = isinstance(grads, dict) and train_state.OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if split else self.params
         updates, opt_state = self.tx.update(
             grads["params"] if split else grads, self.opt_state, params, **extra_args
@@ -91,7 +88,7 @@ class TrainState(train_state.TrainState):
         if split:
             new_params = {
                 "params": new_params,
-                _OVERWRITE_WITH_GRADIENT: grads[_OVERWRITE_WITH_GRADIENT],
+                train_state.OVERWRITE_WITH_GRADIENT: grads[train_state.OVERWRITE_WITH_GRADIENT],
             }
         return self.replace(step=self.step + 1, params=new_params, opt_state=opt_state, **replace)
 

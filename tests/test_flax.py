@@ -1,0 +1,197 @@
+"""Every exported transform (tests/_cases.py) inside Flax training loops.
+
+- linen: `optax_accum.TrainState.apply_gradients` forwards extra args (`local_step`) to
+  the transform; params and optimizer state match the plain-optax harness run.
+- NNX: `nnx.Optimizer.update(model, grads, **extra_args)` forwards them already; the
+  model's params match the harness run. `nnx.Optimizer` applies updates with
+  `optax.apply_updates`, so a transform that emits `IndexedSlices` is followed by
+  `optax_accum.densify()` there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _cases import CASE_IDS, CASES, REPLICAS, Case, trajectory
+from flax import nnx
+
+import optax_accum
+
+STEPS = 7
+AXIS = "replicas"
+
+
+def _assert_trees_close(actual: Any, expected: Any, *, same_structure: bool = True) -> None:
+    if same_structure:
+        assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert jnp.result_type(a) == jnp.result_type(e)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=1e-6, atol=1e-7
+        )
+
+
+def _stack(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.stack([x] * REPLICAS), tree)
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _grads(case: Case, i: int) -> Any:
+    if not case.needs_axis:
+        return case.grads(i)
+    reps = [case.replica_grads(i, r) for r in range(REPLICAS)]
+    return jax.tree.map(lambda *x: jnp.stack(x), *reps)
+
+
+def _mapped(case: Case, step: Any) -> Any:
+    """`step(state, grads, extra)` jitted, under vmap(axis_name) when the case needs it."""
+    if case.needs_axis:
+        step = jax.vmap(step, in_axes=(0, 0, None), axis_name=AXIS)
+    return jax.jit(step)
+
+
+def _make(case: Case) -> optax.GradientTransformationExtraArgs:
+    return case.make(AXIS if case.needs_axis else None)
+
+
+def _expected_changes(case: Case, params: Any) -> None:
+    """Guards against a loop that never updated anything."""
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, case.params())
+    assert any(jax.tree.leaves(changed)), "no parameter moved in the loop"
+
+
+class _CaseModel(nn.Module):
+    """A linen module whose only parameter is the case's parameter tree."""
+
+    case: Case
+
+    @nn.compact
+    def __call__(self) -> Any:
+        return self.param("tree", lambda key: self.case.params())
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_linen_train_state_loop_matches_optax_loop(case):
+    model = _CaseModel(case)
+    params = model.init(jax.random.key(0))["params"]
+    state = optax_accum.TrainState.create(apply_fn=model.apply, params=params, tx=_make(case))
+    if case.needs_axis:
+        state = _stack(state)
+
+    def step(state, grads, extra):
+        return state.apply_gradients(grads={"tree": grads}, **extra)
+
+    fn = _mapped(case, step)
+    for i in range(STEPS):
+        state = fn(state, _grads(case, i), case.extra_args(i))
+    if case.needs_axis:
+        state = _first(state)
+
+    want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
+    assert int(state.step) == STEPS
+    _assert_trees_close(state.params["tree"], want_params)
+    # The linen state's param tree sits under "tree": same leaves, one level deeper.
+    _assert_trees_close(state.opt_state, want_state, same_structure=False)
+    _expected_changes(case, state.params["tree"])
+    # The loop's own apply_fn still sees the trained parameters.
+    _assert_trees_close(state.apply_fn({"params": state.params}), want_params)
+
+
+class _NNXModel(nnx.Module):
+    """An NNX module holding the case's parameter tree as `nnx.Param`s."""
+
+    def __init__(self, tree: Any):
+        is_slices = lambda x: isinstance(x, optax_accum.IndexedSlices)  # noqa: E731
+        self.tree = nnx.data(jax.tree.map(nnx.Param, tree, is_leaf=is_slices))
+
+
+def _nnx_tx(case: Case) -> optax.GradientTransformationExtraArgs:
+    tx = _make(case)
+    if case.apply_updates is not optax.apply_updates:
+        # nnx.Optimizer adds updates with optax.apply_updates: densify sparse ones first.
+        tx = optax.chain(tx, optax_accum.densify())
+    return tx
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_nnx_optimizer_loop_matches_optax_loop(case):
+    model = _NNXModel(case.params())
+    optimizer = nnx.Optimizer(model, _nnx_tx(case), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    if case.needs_axis:
+        state = _stack(state)
+
+    def step(state, grads, extra):
+        model, optimizer = nnx.merge(graphdef, state)
+        optimizer.update(model, nnx.state(_NNXModel(grads), nnx.Param), **extra)
+        return nnx.state((model, optimizer))
+
+    fn = _mapped(case, step)
+    for i in range(STEPS):
+        state = fn(state, _grads(case, i), case.extra_args(i))
+    if case.needs_axis:
+        state = _first(state)
+    model, optimizer = nnx.merge(graphdef, state)
+
+    want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
+    got_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))["tree"]
+    _assert_trees_close(got_params, want_params)
+    _expected_changes(case, got_params)
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    assert int(optax_accum.global_step(opt_state)) == int(optax_accum.global_step(want_state))
+    assert int(optimizer.step[...]) == STEPS
+
+
+def test_train_state_field_keywords_replace_fields_and_others_reach_tx():
+    class WithStats(optax_accum.TrainState):
+        stats: Any = None
+
+    seen = {}
+
+    def update(updates, state, params=None, **extra_args):
+        seen.update(extra_args)
+        return jax.tree.map(jnp.negative, updates), state
+
+    tx = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    state = WithStats.create(apply_fn=None, params=jnp.zeros(2), tx=tx, stats=jnp.zeros(()))
+    state = state.apply_gradients(grads=jnp.ones(2), stats=jnp.ones(()), local_step=3)
+    assert seen == {"local_step": 3}
+    np.testing.assert_array_equal(state.stats, 1.0)
+    np.testing.assert_array_equal(state.params, [-1.0, -1.0])
+
+
+def test_train_state_overwrite_with_gradient_split_is_honoured():
+    params = {"params": {"w": jnp.zeros(2)}, "_overwrite_with_gradient": {"s": jnp.zeros(1)}}
+    grads = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"s": jnp.full(1, 7.0)}}
+    tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=1)
+    state = optax_accum.TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert jax.tree.structure(state.opt_state.accumulator) == jax.tree.structure(params["params"])
+    state = jax.jit(lambda s, g: s.apply_gradients(grads=g, local_step=0))(state, grads)
+    np.testing.assert_array_equal(state.params["params"]["w"], [-1.0, -1.0])
+    np.testing.assert_array_equal(state.params["_overwrite_with_gradient"]["s"], [7.0])
+
+
+def test_train_state_drops_stale_gradient_in_a_real_linen_model():
+    model = nn.Dense(2)
+    x = jnp.ones((4, 3))
+    params = model.init(jax.random.key(1), x)["params"]
+    tx = optax_accum.conditional_accumulator(optax.sgd(0.05), num_required=2)
+    state = optax_accum.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    loss = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - 1.0) ** 2)  # noqa: E731
+    step = jax.jit(lambda s, ls: s.apply_gradients(grads=jax.grad(loss)(s.params), local_step=ls))
+    state = step(state, jnp.int32(0))
+    state = step(state, jnp.int32(-1))  # stale: dropped, nothing released
+    _assert_trees_close(state.params, params)
+    state = step(state, jnp.int32(0))  # second fresh gradient: releases
+    assert int(optax_accum.global_step(state.opt_state)) == 1
+    assert int(state.opt_state.num_dropped) == 1
+    assert float(loss(state.params)) < float(loss(params))
