@@ -1,0 +1,467 @@
+"""Tests of `agn`: TF's traces, a float64 NumPy model, 8 workers, HLO, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _cases import adam
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+WORKERS = 8
+DIM = 3
+
+# --------------------------------------------------------------------------- NumPy model
+
+
+@dataclasses.dataclass(frozen=True)
+class NpSGD:
+    """optax.sgd(lr, momentum) in float64: trace = g + m * trace; step = -lr * trace."""
+
+    lr: float
+    momentum: float | None = None
+
+    def init(self, p):
+        return np.zeros_like(p)
+
+    def step(self, g, trace):
+        trace = g + (self.momentum or 0.0) * trace
+        return -self.lr * trace, trace
+
+    def optax(self):
+        return optax.sgd(self.lr, momentum=self.momentum)
+
+
+def np_agn(grad_fn, p0, period, steps, inner, outer, commit="gradients", workers=1):
+    """AGN as SEMANTICS §5 states it, in float64, for `workers` averaging workers.
+
+    `grad_fn(w, t, local)` is worker w's gradient at step t (None = skipped).
+    Returns the local params of every worker and the centre, after every step.
+    """
+    p0 = np.asarray(p0, np.float64)
+    local = [p0.copy() for _ in range(workers)]
+    slots = [inner.init(p0) for _ in range(workers)]
+    acc = [np.zeros_like(p0) for _ in range(workers)]
+    centre, outer_slot = p0.copy(), outer.init(p0)
+    history = []
+    for t in range(steps):
+        for w in range(workers):
+            g = grad_fn(w, t, local[w])
+            if g is None:
+                continue
+            u, slots[w] = inner.step(np.asarray(g, np.float64), slots[w])
+            local[w] = local[w] + u
+            acc[w] = acc[w] + g
+        if (t + 1) % period == 0:
+            if commit == "gradients":
+                pseudo = np.mean([a / period for a in acc], axis=0)
+            else:
+                pseudo = np.mean([(centre - lp) / period for lp in local], axis=0)
+            u, outer_slot = outer.step(pseudo, outer_slot)
+            centre = centre + u
+            local = [centre.copy() for _ in range(workers)]
+            acc = [np.zeros_like(p0) for _ in range(workers)]
+        history.append(([lp.copy() for lp in local], centre.copy()))
+    return history
+
+
+def _jit_run(tx, params, grads):
+    """Runs `tx` over the stacked `grads` in one jitted scan; (local, centre, gs) per step."""
+
+    def body(carry, g):
+        params, state = carry
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, state), (params, state.centre, optax_accum.global_step(state))
+
+    @jax.jit
+    def run(params, grads):
+        return jax.lax.scan(body, (params, tx.init(params)), grads)[1]
+
+    return run(params, grads)
+
+
+# --------------------------------------------------------------------------- TF traces
+
+
+def test_tf_trace_sgd_period_3():
+    grads = jnp.arange(1.0, 7.0).reshape(6, 1)
+    local, centre, gs = _jit_run(optax_accum.agn(optax.sgd(0.1), 3), jnp.array([1.0]), grads)
+    np.testing.assert_allclose(local[:, 0], [0.9, 0.7, 0.8, 0.4, -0.1, 0.3], atol=1e-6)
+    np.testing.assert_allclose(centre[:, 0], [1.0, 1.0, 0.8, 0.8, 0.8, 0.3], atol=1e-6)
+    np.testing.assert_array_equal(gs, [0, 0, 1, 1, 1, 2])
+
+
+def test_tf_trace_momentum_period_2():
+    tx = optax_accum.agn(optax.sgd(0.1, momentum=0.9), 2)
+    local, centre, gs = _jit_run(tx, jnp.array([0.0]), jnp.ones((4, 1)))
+    np.testing.assert_allclose(local[:, 0], [-0.1, -0.1, -0.371, -0.29], atol=1e-6)
+    np.testing.assert_allclose(centre[:, 0], [0.0, -0.1, -0.1, -0.29], atol=1e-6)
+    np.testing.assert_array_equal(gs, [0, 1, 1, 2])
+
+
+def test_tf_trace_adam_b1_b2_zero_period_4():
+    tx = optax_accum.agn(adam(0.1, b1=0.0, b2=0.0), 4)
+    local, centre, gs = _jit_run(tx, jnp.array([0.0, 0.5]), -jnp.ones((8, 2)))
+    np.testing.assert_allclose(local[0], [0.1, 0.6], atol=1e-6)
+    np.testing.assert_allclose(centre[0], [0.0, 0.5], atol=1e-6)
+    np.testing.assert_allclose(local[2], [0.3, 0.8], atol=1e-6)
+    np.testing.assert_allclose(local[3], [0.1, 0.6], atol=1e-6)
+    np.testing.assert_allclose(centre[3], [0.1, 0.6], atol=1e-6)
+    np.testing.assert_allclose(local[7], [0.2, 0.7], atol=1e-6)
+    np.testing.assert_allclose(centre[7], [0.2, 0.7], atol=1e-6)
+    np.testing.assert_array_equal(gs, [0, 0, 0, 1, 1, 1, 1, 2])
+
+
+def test_centre_and_local_optimizer_states_are_separate():
+    """TF shares Adam's beta powers between local and centre updates; we do not."""
+    tx = optax_accum.agn(adam(0.1), 2)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for _ in range(4):
+        updates, state = jax.jit(tx.update)(jnp.ones(2), state, params)
+        params = optax.apply_updates(params, updates)
+    assert int(state.inner_state[0].count) == 4
+    assert int(state.outer_state[0].count) == 2
+
+
+# --------------------------------------------------------------------------- property
+
+
+@functools.cache
+def _scan_fn(period, commit, momentum, skip):
+    inner, outer = NpSGD(0.1, momentum), NpSGD(0.5, momentum)
+    tx = optax_accum.agn(
+        inner.optax(), period, outer=outer.optax(), commit=commit, skip_nonfinite=skip
+    )
+
+    def body(carry, g):
+        params, state = carry
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, state), (params, state.centre, state.count, state.num_nonfinite)
+
+    run = jax.jit(lambda p, gs: jax.lax.scan(body, (p, tx.init(p)), gs)[1])
+    return run, inner, outer
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    period=st.integers(1, 5),
+    commit=st.sampled_from(["gradients", "delta"]),
+    momentum=st.sampled_from([None, 0.9]),
+    skip=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_numpy_model(period, commit, momentum, skip, seed):
+    steps = 10
+    rng = np.random.default_rng(seed)
+    grads = rng.normal(size=(steps, DIM)).astype(np.float32)
+    bad = set(rng.choice(steps, size=2, replace=False).tolist()) if skip else set()
+    for t in bad:
+        grads[t, rng.integers(DIM)] = rng.choice([np.nan, np.inf])
+    run, inner, outer = _scan_fn(period, commit, momentum, skip)
+    p0 = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
+    local, centre, count, nonfinite = run(jnp.asarray(p0), jnp.asarray(grads))
+    expected = np_agn(
+        lambda w, t, p: None if t in bad else grads[t], p0, period, steps, inner, outer, commit
+    )
+    for t, (exp_local, exp_centre) in enumerate(expected):
+        np.testing.assert_allclose(local[t], exp_local[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(centre[t], exp_centre, rtol=1e-5, atol=1e-5)
+        assert int(count[t]) == (t + 1) % period
+        assert int(nonfinite[t]) == sum(s <= t for s in bad)
+
+
+def test_delta_commit_equals_gradient_commit_for_constant_lr_sgd():
+    grads = jnp.asarray(np.random.default_rng(0).normal(size=(12, DIM)), jnp.float32)
+    p0 = jnp.zeros(DIM)
+    by_grad = optax_accum.agn(optax.sgd(0.1), 4, outer=optax.sgd(0.3))
+    by_delta = optax_accum.agn(optax.sgd(0.1), 4, outer=optax.sgd(3.0), commit="delta")
+    a, b = _jit_run(by_grad, p0, grads), _jit_run(by_delta, p0, grads)
+    np.testing.assert_allclose(a[1], b[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- 8 workers
+
+
+def _worker_problem():
+    """Worker w's gradient at p is a_w * (p - b_w): each worker has its own data."""
+    rng = np.random.default_rng(1)
+    a = rng.uniform(0.5, 2.0, size=(WORKERS, DIM)).astype(np.float32)
+    b = rng.normal(size=(WORKERS, DIM)).astype(np.float32)
+    return a, b
+
+
+MULTI = [
+    ("gradients", NpSGD(0.1, 0.9), NpSGD(0.2, 0.9)),
+    ("delta", NpSGD(0.1, 0.9), NpSGD(1.6, 0.5)),
+]
+ROUNDS, PERIOD = 4, 3
+
+
+def _multi_reference(commit, inner, outer):
+    a, b = _worker_problem()
+    p0 = np.linspace(-1.0, 1.0, DIM)
+    hist = np_agn(
+        lambda w, t, p: a[w] * (p - b[w]),
+        p0,
+        PERIOD,
+        ROUNDS * PERIOD,
+        inner,
+        outer,
+        commit,
+        workers=WORKERS,
+    )
+    return [hist[r * PERIOD + PERIOD - 1][1] for r in range(ROUNDS)]
+
+
+@pytest.mark.parametrize("commit,inner,outer", MULTI, ids=[m[0] for m in MULTI])
+def test_eight_workers_pmap(commit, inner, outer):
+    tx = optax_accum.agn(inner.optax(), PERIOD, axis_name="w", outer=outer.optax(), commit=commit)
+    a, b = _worker_problem()
+
+    def step(params, state, a, b):
+        updates, state = tx.update(a * (params - b), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.pmap(step, axis_name="w")
+    params = jnp.tile(jnp.linspace(-1.0, 1.0, DIM, dtype=jnp.float32), (WORKERS, 1))
+    state = jax.pmap(tx.init)(params)
+    for r, expected in enumerate(_multi_reference(commit, inner, outer)):
+        for _ in range(PERIOD):
+            assert not np.any(np.asarray(state.emitted) & (np.asarray(state.count) != 0))
+            params, state = step(params, state, a, b)
+        centres = np.asarray(state.centre)
+        assert np.all(centres == centres[0]), "workers disagree on the centre"
+        np.testing.assert_allclose(centres[0], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(params), centres, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(state.global_step), r + 1)
+        assert np.all(np.asarray(state.emitted))
+
+
+def _mesh():
+    return jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _shard_map_step(tx):
+    """One AGN step under shard_map; the state's per-worker fields are sharded over w."""
+    per_worker = P("w")
+    specs = optax_accum.AGNState(
+        global_step=P(),
+        count=P(),
+        num_nonfinite=P(),
+        emitted=P(),
+        accumulator=per_worker,
+        centre=P(),
+        inner_state=per_worker,
+        outer_state=P(),
+    )
+
+    def step(params, state, a, b):
+        updates, state = tx.update(a * (params - b), state, params)
+        every_copy = jax.lax.pcast(state.centre, "w", to="varying")
+        return optax.apply_updates(params, updates), state, every_copy
+
+    fn = jax.shard_map(
+        step,
+        mesh=_mesh(),
+        in_specs=(per_worker, specs, per_worker, per_worker),
+        out_specs=(per_worker, specs, per_worker),
+    )
+    return jax.jit(fn)
+
+
+def _shard_map_init(tx, p0):
+    """Init from one worker's params (shape (1, DIM)); per-worker fields tiled."""
+    state = tx.init(p0)
+    tile = lambda t: jax.tree.map(lambda x: jnp.tile(x, (WORKERS, 1)), t)  # noqa: E731
+    return state._replace(accumulator=tile(state.accumulator), inner_state=tile(state.inner_state))
+
+
+@pytest.mark.parametrize("commit,inner,outer", MULTI, ids=[m[0] for m in MULTI])
+def test_eight_workers_shard_map(commit, inner, outer):
+    tx = optax_accum.agn(inner.optax(), PERIOD, axis_name="w", outer=outer.optax(), commit=commit)
+    a, b = _worker_problem()
+    p0 = jnp.linspace(-1.0, 1.0, DIM, dtype=jnp.float32)[None]
+    params, state = jnp.tile(p0, (WORKERS, 1)), _shard_map_init(tx, p0)
+    step = _shard_map_step(tx)
+    for r, expected in enumerate(_multi_reference(commit, inner, outer)):
+        for _ in range(PERIOD):
+            params, state, copies = step(params, state, a, b)
+        copies = np.asarray(copies)
+        assert np.all(copies == copies[0]), "workers disagree on the centre"
+        np.testing.assert_allclose(copies[0], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(params), copies, rtol=0, atol=1e-6)
+        assert int(state.global_step) == r + 1
+
+
+def test_model_averaging_delta_centre_is_mean_of_workers():
+    """commit="delta" with outer=sgd(period): the centre is the workers' mean."""
+    tx = optax_accum.agn(optax.sgd(0.1), 2, axis_name="w", outer=optax.sgd(2.0), commit="delta")
+    a, b = _worker_problem()
+
+    def two_steps(params, state, a, b):
+        for _ in range(2):
+            local = params - 0.1 * a * (params - b)  # this step's local SGD result
+            updates, state = tx.update(a * (params - b), state, params)
+            params = optax.apply_updates(params, updates)
+        return params, state, local
+
+    params = jnp.tile(jnp.zeros(DIM, jnp.float32), (WORKERS, 1))
+    state = jax.vmap(tx.init)(params)
+    params, state, last_local = jax.jit(jax.vmap(two_steps, axis_name="w"))(params, state, a, b)
+    np.testing.assert_allclose(
+        np.asarray(state.centre[0]), np.asarray(last_local).mean(0), rtol=1e-6, atol=1e-6
+    )
+
+
+# --------------------------------------------------------------------------- HLO
+
+
+def _entry_and_rest(hlo: str) -> tuple[str, str]:
+    match = re.search(r"^ENTRY .*?^}", hlo, flags=re.M | re.S)
+    assert match, "no ENTRY computation in the compiled HLO"
+    return match.group(0), hlo[: match.start()] + hlo[match.end() :]
+
+
+def _assert_collective_only_in_conditional(hlo: str):
+    entry, rest = _entry_and_rest(hlo)
+    assert "all-reduce" not in entry, "an all-reduce runs on every step"
+    assert "conditional" in entry
+    assert "all-reduce" in rest, "the sync branch lost its all-reduce"
+
+
+@pytest.mark.parametrize("commit", ["gradients", "delta"])
+def test_hlo_pmap_all_reduce_only_inside_conditional(commit):
+    tx = optax_accum.agn(adam(0.1), 4, axis_name="w", commit=commit)
+    a, b = _worker_problem()
+
+    def step(params, state, a, b):
+        updates, state = tx.update(a * (params - b), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = jnp.zeros((WORKERS, DIM))
+    state = jax.pmap(tx.init)(params)
+    hlo = jax.pmap(step, axis_name="w").lower(params, state, a, b).compile().as_text()
+    _assert_collective_only_in_conditional(hlo)
+
+
+def test_hlo_shard_map_all_reduce_only_inside_conditional():
+    tx = optax_accum.agn(optax.sgd(0.1, momentum=0.9), 4, axis_name="w")
+    a, b = _worker_problem()
+    p0 = jnp.zeros((1, DIM))
+    state = _shard_map_init(tx, p0)
+    hlo = _shard_map_step(tx).lower(jnp.tile(p0, (WORKERS, 1)), state, a, b).compile().as_text()
+    _assert_collective_only_in_conditional(hlo)
+
+
+def test_hlo_without_axis_has_no_collective():
+    tx = optax_accum.agn(optax.sgd(0.1), 4)
+    params = jnp.zeros(DIM)
+    hlo = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+    assert "all-reduce" not in hlo
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_resume_mid_round_is_bit_exact(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tx = optax_accum.agn(adam(0.05), 4, outer=optax.sgd(0.5, momentum=0.9))
+    grads = jnp.asarray(np.random.default_rng(3).normal(size=(11, DIM)), jnp.float32)
+    step = jax.jit(
+        lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+    )
+
+    def run(params, state, gs):
+        for g in gs:
+            params, state = step(params, state, g)
+        return params, state
+
+    params = jnp.linspace(-1.0, 1.0, DIM, dtype=jnp.float32)
+    params, state = run(params, tx.init(params), grads[:6])
+    assert int(state.count) == 2  # mid-round
+    straight = run(params, state, grads[6:])
+
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt", {"params": params, "state": state})
+    ckptr.wait_until_finished()
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "state": state})
+    restored = ckptr.restore(tmp_path / "ckpt", target)
+    state = jax.tree.unflatten(jax.tree.structure(state), jax.tree.leaves(restored["state"]))
+    resumed = run(restored["params"], state, grads[6:])
+    for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --------------------------------------------------------------------------- state and errors
+
+
+def test_accessors_and_dtypes():
+    tx = optax_accum.agn(optax.sgd(0.1), 2)
+    params = {"w": jnp.zeros(2, jnp.bfloat16)}
+    state = tx.init(params)
+    assert state.accumulator["w"].dtype == jnp.float32
+    assert state.centre["w"].dtype == jnp.bfloat16
+    updates, state = jax.jit(tx.update)({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    assert updates["w"].dtype == jnp.bfloat16
+    assert int(optax_accum.num_accumulated(state)) == 1
+    assert not bool(optax_accum.has_updated(state))
+    updates, state = jax.jit(tx.update)({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    assert bool(optax_accum.has_updated(state))
+    assert int(optax_accum.global_step(state)) == 1
+    assert int(optax_accum.num_accumulated(state)) == 0
+    assert optax_accum.agn(optax.sgd(0.1), 2, commit="delta").init(params).accumulator == ()
+
+
+def test_missing_params_is_a_clear_error():
+    tx = optax_accum.agn(optax.sgd(0.1), 2)
+    state = tx.init(jnp.zeros(2))
+    with pytest.raises(ValueError, match="agn needs params"):
+        jax.jit(tx.update)(jnp.ones(2), state)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"communication_period": 0}, ValueError, "communication_period must be a positive int"),
+        ({"communication_period": 2.0}, TypeError, "communication_period must be a positive int"),
+        ({"commit": "params"}, ValueError, 'commit must be "gradients" or "delta"'),
+        ({"skip_nonfinite": 1}, TypeError, "skip_nonfinite must be a bool"),
+        ({"axis_name": 1.5}, TypeError, "axis_name must be None"),
+        ({"accumulator_dtype": jnp.int32}, TypeError, "accumulator_dtype must be a floating"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    kwargs = {"communication_period": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        optax_accum.agn(optax.sgd(0.1), **kwargs)
+
+
+def test_mismatched_trees_raise_at_trace_time():
+    tx = optax_accum.agn(optax.sgd(0.1), 2)
+    state = tx.init({"w": jnp.zeros(2)})
+    with pytest.raises(ValueError, match=r"updates\['w'\] must have shape \(2,\)"):
+        tx.update({"w": jnp.zeros(3)}, state, {"w": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="params must have the tree structure"):
+        tx.update({"w": jnp.zeros(2)}, state, {"v": jnp.zeros(2)})
+
+
+def test_unbound_axis_is_a_clear_error():
+    tx = optax_accum.agn(optax.sgd(0.1), 2, axis_name="w")
+    state = tx.init(jnp.zeros(2))
+    with pytest.raises(ValueError, match="axis_name='w' is not bound"):
+        tx.update(jnp.ones(2), state, jnp.zeros(2))
