@@ -122,6 +122,24 @@ CASES: list[Case] = [
         hold_step=lambda i: i % 3 == 0,
         drop_step=lambda i: i % 3 == 2,
     ),
+    # agn updates the local params on every step (nothing is held or dropped).
+    Case(
+        name="agn",
+        make=lambda axis: optax_accum.agn(adam(0.1), 3, axis_name=axis),
+        needs_params=True,
+    ),
+    Case(
+        name="agn_delta_shared",
+        make=lambda axis: optax_accum.agn(
+            optax.sgd(0.1, momentum=0.9),
+            2,
+            axis_name=axis or "replicas",
+            outer=optax.sgd(1.0, momentum=0.5, nesterov=True),
+            commit="delta",
+        ),
+        needs_axis=True,
+        needs_params=True,
+    ),
 ]
 
 CASE_IDS = [c.name for c in CASES]
