@@ -9,6 +9,7 @@ from optax_accum.accumulator import ConditionalAccumulatorState, conditional_acc
 from optax_accum.agn import AGNState, agn
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.flax_train_state import TrainState
+from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
 from optax_accum.staleness import (
     DropStaleGradientsState,
@@ -21,9 +22,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGNState",
+    "ConditionalAccumulator",
     "ConditionalAccumulatorState",
     "DropStaleGradientsState",
     "IndexedSlices",
+    "SparseConditionalAccumulator",
     "TrainState",
     "agn",
     "apply_updates",
