@@ -52,6 +52,10 @@ def validate_group_assignment(group_assignment: Any) -> Groups | None:
         )
     if not group_assignment:
         return None
+    if any(len(g) == 0 for g in group_assignment):
+        raise ValueError(
+            f"group_assignment must not hold an empty subgroup, got {group_assignment!r}"
+        )
     ids = [i for g in group_assignment for i in g]
     if any(isinstance(i, bool) or not isinstance(i, int | np.integer) for i in ids):
         raise ValueError(
