@@ -11,6 +11,11 @@ from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.flax_train_state import TrainState
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
+from optax_accum.sparse import (
+    SparseConditionalAccumulatorState,
+    sparse_conditional_accumulator,
+    sparse_sgd,
+)
 from optax_accum.staleness import (
     DropStaleGradientsState,
     drop_stale_gradients,
@@ -27,6 +32,7 @@ __all__ = [
     "DropStaleGradientsState",
     "IndexedSlices",
     "SparseConditionalAccumulator",
+    "SparseConditionalAccumulatorState",
     "TrainState",
     "agn",
     "apply_updates",
@@ -39,5 +45,7 @@ __all__ = [
     "has_updated",
     "num_accumulated",
     "set_global_step",
+    "sparse_conditional_accumulator",
+    "sparse_sgd",
     "staleness_percentage",
 ]

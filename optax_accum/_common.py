@@ -212,6 +212,33 @@ def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any)
     return lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
 
 
+def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
+    """`fn(carry)` when `pred` holds, else `carry` itself, updated in place.
+
+    The result of `cond(pred, fn, lambda c: c, carry)`, computed by a `lax.while_loop`
+    that runs zero times or once. XLA keeps a loop's carry in one set of buffers that
+    the body updates in place, so when `pred` is False the carry (with donated inputs,
+    the caller's own buffers) passes through untouched. `lax.cond` instead copies
+    operands that a branch passes through into its result buffers: with Adam state
+    that made a held accumulation step several times dearer than the accumulation
+    itself (benchmarks/NOTES.md). `fn` must return a tree with `carry`'s structure,
+    shapes and dtypes. Varying types under `jax.shard_map` are joined as in `cond`;
+    `pred` must be the same on every replica when `fn` holds a collective. Unlike
+    `lax.cond`, this is not reverse-mode differentiable (optimizer updates never are
+    differentiated in this library).
+    """
+    out = jax.eval_shape(fn, carry)
+    axes = jax.tree.map(lambda c, o: _varying_axes(jax.typeof(c)) | _varying_axes(o), carry, out)
+    join = lambda tree: jax.tree.map(_make_varying, tree, axes)  # noqa: E731
+
+    def body(loop: tuple) -> tuple:
+        again, value = loop
+        return jnp.logical_not(again), join(fn(value))
+
+    _, result = lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), join(carry)))
+    return result
+
+
 def zero_updates(inner: Any, updates: Any, inner_state: Any, params: Any, **extra_args: Any) -> Any:
     """Zeros shaped like the updates `inner.update` would return (traced, never run)."""
     shapes, _ = jax.eval_shape(
@@ -225,15 +252,48 @@ def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+# --------------------------------------------------------------------------- dense leaves
+
+
+def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> jax.Array:
+    """Zeros shaped like `param`, in the dtype its accumulator keeps."""
+    dtype = accumulator_dtype_for(jnp.result_type(param), accumulator_dtype)
+    return jnp.zeros(jnp.shape(param), dtype)
+
+
+def add_where(accepted: jax.Array, accumulator: jax.Array, gradient: jax.Array) -> jax.Array:
+    """`accumulator + gradient` (in the accumulator's dtype) if `accepted`, else unchanged.
+
+    A selection, so a NaN in a rejected gradient never reaches the accumulator.
+    """
+    return jnp.where(accepted, accumulator + gradient.astype(accumulator.dtype), accumulator)
+
+
+def reduce_dense(
+    accumulator: jax.Array, count: jax.Array | None, like: Any, axis_name: Any = None
+) -> jax.Array:
+    """A dense running sum released: summed over `axis_name`, divided by `count`.
+
+    `count=None` means SUM (no division). The result has `like`'s dtype.
+    """
+    total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
+    if count is not None:
+        total = total / count.astype(total.dtype)
+    return total.astype(jnp.result_type(like))
+
+
 __all__ = [
     "accumulator_dtype_for",
+    "add_where",
     "all_finite",
+    "apply_if",
     "canonical_reduction",
     "check_tree_matches",
     "cond",
     "floating_dtype",
     "int32",
     "local_step_or",
+    "reduce_dense",
     "require_axis_name",
     "require_bool",
     "require_bound_axis",
@@ -241,4 +301,5 @@ __all__ = [
     "saturating_add",
     "tree_select",
     "zero_updates",
+    "zeros_accumulator",
 ]

@@ -1,0 +1,527 @@
+"""The functional SparseConditionalAccumulator: row-sparse, step-tagged accumulation.
+
+TF1's `tf.sparse.SparseConditionalAccumulator` accumulates `IndexedSlices` gradients
+(an embedding table's few touched rows) and averages each row over the gradients that
+touched it. `sparse_conditional_accumulator` is that rule as a jit-able Optax
+transform with static shapes: each sparse leaf keeps at most `capacity` distinct rows,
+found through a row-to-slot map, so an update costs work in proportion to the
+gradient's rows, never to the table's size. `sparse_sgd` updates only those rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_accum import _common
+from optax_accum.accumulator import NumRequired, _num_required_fn
+from optax_accum.indexed_slices import IndexedSlices, check_indices, is_indexed_slices
+
+
+class RowBuffer(NamedTuple):
+    """One sparse leaf's running sum: up to `capacity` distinct rows, in arrival order.
+
+    Attributes:
+      rows: int32 `[capacity]`, the row id held in each slot; unused slots hold the
+        padding id (the table's row count).
+      values: `[capacity, *row_shape]`, the sum of the accepted gradients' rows.
+      touches: int32 `[capacity]`, how many accepted gradients touched each slot's row.
+      size: int32, the number of slots in use (slots `0..size-1`).
+      slot_of: int32 `[table rows]`, the slot of each row of the table, -1 if none.
+    """
+
+    rows: jax.Array
+    values: jax.Array
+    touches: jax.Array
+    size: jax.Array
+    slot_of: jax.Array
+
+
+class SparseConditionalAccumulatorState(NamedTuple):
+    """State of `sparse_conditional_accumulator`.
+
+    Attributes:
+      global_step: int32, the number of updates released so far (TF's global step).
+      count: int32, accepted gradients since the last release (over all replicas).
+      num_dropped: int32, stale gradients dropped so far.
+      num_nonfinite: int32, gradients skipped for a NaN or Inf (`skip_nonfinite`).
+      num_overflowed: int32, gradients rejected because a sparse leaf would have held
+        more than `capacity` distinct rows.
+      emitted: bool, whether the last `update` released an update.
+      accumulator: the params' tree, holding a `RowBuffer` for each sparse leaf and the
+        running sum (per replica under an `axis_name`) for each dense leaf.
+      inner_state: the wrapped optimizer's state.
+    """
+
+    global_step: jax.Array
+    count: jax.Array
+    num_dropped: jax.Array
+    num_nonfinite: jax.Array
+    num_overflowed: jax.Array
+    emitted: jax.Array
+    accumulator: Any
+    inner_state: optax.OptState
+
+
+def _is_buffer(x: Any) -> bool:
+    return isinstance(x, RowBuffer)
+
+
+def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
+    shape = jnp.shape(param)
+    dtype = _common.accumulator_dtype_for(jnp.result_type(param), None)
+    return RowBuffer(
+        rows=jnp.full((capacity,), shape[0], jnp.int32),
+        values=jnp.zeros((capacity, *shape[1:]), dtype),
+        touches=jnp.zeros((capacity,), jnp.int32),
+        size=_common.int32(0),
+        slot_of=jnp.full((shape[0],), -1, jnp.int32),
+    )
+
+
+def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
+    """The tree of bools saying which leaves of `params` accumulate sparsely."""
+    if sparse is None:
+        return jax.tree.map(lambda p: jnp.ndim(p) >= 2 and jnp.shape(p)[0] > capacity, params)
+    mask = sparse(params) if callable(sparse) else sparse
+    if jax.tree.structure(mask) != jax.tree.structure(params):
+        raise ValueError(
+            "sparse must be a tree of bools with the params' structure (or a function of "
+            f"the params returning one): expected {jax.tree.structure(params)}, "
+            f"got {jax.tree.structure(mask)}"
+        )
+    for (path, p), m in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
+    ):
+        if not isinstance(m, bool):
+            raise TypeError(f"sparse{jax.tree_util.keystr(path)} must be a bool, got {m!r}")
+        if m and jnp.ndim(p) < 1:
+            raise ValueError(f"params{jax.tree_util.keystr(path)} is a scalar and cannot be sparse")
+    return mask
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_updates(updates: Any, accumulator: Any) -> None:
+    """Trace-time check of the gradient tree against the accumulator's leaves."""
+    got = jax.tree.structure(updates, is_leaf=is_indexed_slices)
+    expected = jax.tree.structure(accumulator, is_leaf=_is_buffer)
+    if got != expected:
+        raise ValueError(
+            "updates must have the tree structure of the params given to init: "
+            f"expected {expected}, got {got}"
+        )
+    flat, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_indexed_slices)
+    for (path, u), a in zip(flat, jax.tree.leaves(accumulator, is_leaf=_is_buffer), strict=True):
+        where = f"updates{jax.tree_util.keystr(path)}"
+        if _is_buffer(a):
+            _check_sparse_leaf(u, a, where)
+        elif isinstance(u, IndexedSlices):
+            raise TypeError(
+                f"{where} is an IndexedSlices, but this leaf accumulates densely; mark it "
+                "sparse with the `sparse` argument, or densify it"
+            )
+        else:
+            _common.check_tree_matches(u, a, what=where)
+
+
+def _check_sparse_leaf(u: Any, buf: RowBuffer, where: str) -> None:
+    if not isinstance(u, IndexedSlices):
+        raise TypeError(
+            f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
+            f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
+        )
+    check_indices(u, what=where)
+    table = (buf.slot_of.shape[0], *buf.values.shape[1:])
+    if u.dense_shape[1:] != table[1:] or u.dense_shape[0] not in (-1, table[0]):
+        raise ValueError(f"{where} must have dense_shape {table}, got {u.dense_shape}")
+    if not jnp.issubdtype(u.values.dtype, jnp.floating):
+        raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
+
+
+# --------------------------------------------------------------------------- row buffers
+
+
+class _Plan(NamedTuple):
+    """Where one gradient's rows go in a buffer (rows sorted, padding last)."""
+
+    order: jax.Array  # permutation sorting the gradient's rows
+    rows: jax.Array  # sorted row ids; padding = table rows
+    first: jax.Array  # True at the first occurrence of each real row
+    new: jax.Array  # True at the first occurrence of a row not yet in the buffer
+    slot: jax.Array  # the slot of each sorted row (capacity for padding)
+    num_new: jax.Array  # how many slots the gradient would add
+
+
+def _plan(buf: RowBuffer, indices: jax.Array) -> _Plan:
+    """Looks up the gradient's rows; O(nnz log nnz), independent of the table's size."""
+    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    real = (indices >= 0) & (indices < num_rows)
+    keys = jnp.where(real, indices, num_rows).astype(jnp.int32)
+    order = jnp.argsort(keys)
+    rows = keys[order]
+    real = rows < num_rows
+    first = real & jnp.concatenate([jnp.ones((1,), bool), rows[1:] != rows[:-1]])[: rows.shape[0]]
+    existing = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
+    new = first & (existing < 0)
+    # Duplicates of a new row follow its first occurrence, so they share its cumsum.
+    rank = jnp.cumsum(new, dtype=jnp.int32)
+    slot = jnp.where(existing >= 0, existing, buf.size + rank - 1)
+    slot = jnp.where(real, slot, capacity)
+    return _Plan(order, rows, first, new, slot, jnp.sum(new, dtype=jnp.int32))
+
+
+def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
+    return buf.size + plan.num_new <= buf.rows.shape[0]
+
+
+def _commit(buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array) -> RowBuffer:
+    """Adds the planned rows if `take`; otherwise every scatter is aimed out of range."""
+    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    slot = jnp.where(take, plan.slot, capacity)
+    new_slot = jnp.where(plan.new, slot, capacity)
+    return RowBuffer(
+        rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
+        values=buf.values.at[slot].add(values[plan.order].astype(buf.values.dtype), mode="drop"),
+        touches=buf.touches.at[jnp.where(plan.first, slot, capacity)].add(1, mode="drop"),
+        size=jnp.where(take, buf.size + plan.num_new, buf.size),
+        slot_of=buf.slot_of.at[jnp.where(take & plan.new, plan.rows, num_rows)].set(
+            plan.slot, mode="drop"
+        ),
+    )
+
+
+def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSlices:
+    """The buffer's rows, sorted and unique, padded to capacity; per-row mean if `mean`."""
+    order = jnp.argsort(buf.rows)
+    values = buf.values[order]
+    if mean:
+        touches = buf.touches[order].reshape((-1,) + (1,) * (values.ndim - 1))
+        values = values / jnp.maximum(touches, 1).astype(values.dtype)
+    table = (buf.slot_of.shape[0], *buf.values.shape[1:])
+    return IndexedSlices(buf.rows[order], values.astype(like.values.dtype), table)
+
+
+def _reset(buf: RowBuffer) -> RowBuffer:
+    """An empty buffer; clears only the used entries of the row-to-slot map."""
+    num_rows = buf.slot_of.shape[0]
+    return RowBuffer(
+        rows=jnp.full_like(buf.rows, num_rows),
+        values=jnp.zeros_like(buf.values),
+        touches=jnp.zeros_like(buf.touches),
+        size=jnp.zeros_like(buf.size),
+        slot_of=buf.slot_of.at[buf.rows].set(-1, mode="drop"),
+    )
+
+
+def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
+    """All replicas' `x`, stacked; typed replica-invariant under `jax.shard_map`.
+
+    The gathered stack is the same on every replica; saying so keeps the row buffers
+    built from it invariant, so they need no mesh axis in a shard_map state spec.
+    """
+    names = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    if names <= set(jax.sharding.get_abstract_mesh().manual_axes):  # shard_map or pmap
+        return lax.all_gather(_common._make_varying(x, names), axis_name, to="invarying")
+    return lax.all_gather(x, axis_name)  # vmap
+
+
+def _insert_all(
+    buffers: list[RowBuffer], grads: list[IndexedSlices], offered: jax.Array
+) -> tuple[list[RowBuffer], jax.Array, jax.Array]:
+    """Inserts a stack of gradients (one per replica) in order, each whole or not at all.
+
+    `grads[k].indices` is `[n, nnz]` and `offered` is `[n]`. Returns the buffers and,
+    per gradient, whether it was taken and whether it overflowed.
+    """
+
+    def one(bufs, xs):
+        offer, indices, values = xs
+        plans = [_plan(b, i) for b, i in zip(bufs, indices, strict=True)]
+        fits = jnp.stack([_fits(b, p) for b, p in zip(bufs, plans, strict=True)] + [True]).all()
+        take = offer & fits
+        bufs = [_commit(b, p, v, take) for b, p, v in zip(bufs, plans, values, strict=True)]
+        return bufs, (take, offer & ~fits)
+
+    xs = (offered, [g.indices for g in grads], [g.values for g in grads])
+    buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
+    return buffers, taken, overflowed
+
+
+# --------------------------------------------------------------------------- transform
+
+
+def sparse_conditional_accumulator(
+    inner: optax.GradientTransformation,
+    num_required: NumRequired,
+    *,
+    capacity: int,
+    reduction: str = "mean",
+    axis_name: Any = None,
+    sparse: Any = None,
+    skip_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Accumulates step-tagged, row-sparse gradients and releases them to `inner`.
+
+    The accept and release rules are those of `conditional_accumulator`: a gradient
+    tagged with `local_step` (extra argument; omitted means up to date) is accepted
+    iff `local_step >= global_step`, stale ones are dropped and counted, and once
+    `num_required` gradients are accepted the aggregate goes through `inner`, whose
+    updates are returned, and `global_step` advances. Other steps return zeros.
+
+    Sparse leaves (chosen by `sparse`) take `IndexedSlices` gradients. Their
+    aggregate is per row: SUM adds each row, MEAN divides each row by the number of
+    accepted gradients that touched it (not by `count`). Duplicate ids within one
+    gradient are summed and count once; ids outside `[0, rows)` are padding and ignored.
+    Each sparse leaf holds at most `capacity` distinct rows: a gradient that would
+    exceed it in any leaf is rejected whole and counted in `num_overflowed`, never cut.
+    The release is an `IndexedSlices` with sorted, unique row ids, padded to `capacity`
+    with the id `rows`. Dense leaves in the same tree accumulate exactly as in
+    `conditional_accumulator`.
+
+    `inner` sees the released tree: use `sparse_sgd` to update only the touched rows, or
+    `optax.chain(densify(), any_optimizer)` for a dense optimizer (which then does
+    table-sized work on releasing steps only). Apply the updates with
+    `optax_accum.apply_updates`. Never hand raw `IndexedSlices` to optax's element-wise
+    transforms: they would change the indices too (floating indices raise a TypeError).
+
+    With `axis_name`, the replicas of that axis share one accumulator: every step the
+    replicas' sparse gradients are gathered and inserted in replica order (so every
+    replica holds the same rows, and overflow is decided the same everywhere), while
+    dense leaves are summed across replicas on releasing steps only.
+
+    Cost: an update sorts the gradient's rows and touches only them and the map entries
+    they name; a release sorts the `capacity` slots. Nothing scales with the table,
+    except the row-to-slot map's memory (4 bytes per table row).
+
+    Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
+    keeps duplicates apart); out-of-range ids are ignored instead of raising (values
+    cannot raise inside jit); the release is padded to `capacity`.
+
+    Args:
+      inner: the optimizer that transforms each released aggregate.
+      num_required: a positive int, or a schedule `f(global_step) -> int`.
+      capacity: a positive int, the most distinct rows a sparse leaf holds between
+        releases.
+      reduction: "mean" (default) or "sum", in any case.
+      axis_name: optional name (or tuple of names) of a mapped axis whose replicas share
+        the accumulator.
+      sparse: which param leaves are sparse: a tree of bools shaped like the params, or
+        a function of the params returning one. Default: every leaf of rank >= 2 with
+        more rows than `capacity` (an embedding table).
+      skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped and counted
+        in `num_nonfinite`; by default it is accumulated as given, as TF does.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `SparseConditionalAccumulatorState`.
+
+    Raises:
+      TypeError / ValueError: for a bad argument, naming it; at trace time, for
+        gradients whose structure, kinds (sparse or dense), shapes or dtypes do not
+        match, and for a bad `local_step`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=3)
+      >>> table = jnp.zeros((5, 2))
+      >>> state = tx.init(table)
+      >>> grad = lambda ids, rows: optax_accum.IndexedSlices(
+      ...     jnp.array(ids), jnp.array(rows), (5, 2))
+      >>> u, state = tx.update(grad([0, 1], [[1.0, 0.0], [0.0, 2.0]]), state)
+      >>> u, state = tx.update(grad([0, 4], [[0.0, 1.0], [3.0, 0.0]]), state)
+      >>> u.indices.tolist(), u.values.tolist()
+      ([0, 1, 4], [[-0.5, -0.5], [-0.0, -2.0], [-3.0, -0.0]])
+      >>> optax_accum.apply_updates(table, u)[:, 0].tolist()
+      [-0.5, 0.0, 0.0, 0.0, -3.0]
+    """
+    inner = optax.with_extra_args_support(inner)
+    required = _num_required_fn(num_required)
+    capacity = _common.require_positive_int("capacity", capacity)
+    mean = _common.canonical_reduction(reduction) == "mean"
+    axis_name = _common.require_axis_name("axis_name", axis_name)
+    skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
+    if sparse is not None and not callable(sparse):
+        jax.tree.map(lambda m: _common.require_bool("sparse", m), sparse)
+
+    def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
+        mask = _sparse_mask(sparse, params, capacity)
+        zero = _common.int32(0)
+        return SparseConditionalAccumulatorState(
+            global_step=zero,
+            count=zero,
+            num_dropped=zero,
+            num_nonfinite=zero,
+            num_overflowed=zero,
+            emitted=jnp.asarray(False),
+            accumulator=jax.tree.map(
+                lambda p, m: _empty_buffer(p, capacity) if m else _common.zeros_accumulator(p),
+                params,
+                mask,
+            ),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: SparseConditionalAccumulatorState,
+        params: optax.Params | None = None,
+        *,
+        local_step: Any = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
+        _check_updates(updates, state.accumulator)
+        step = _common.local_step_or(local_step, state.global_step)
+        fresh = step >= state.global_step
+        finite = _common.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
+
+        grads = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
+        accs = jax.tree.leaves(state.accumulator, is_leaf=_is_buffer)
+        sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
+        offered = fresh & finite
+        if axis_name is not None:
+            _common.require_bound_axis(axis_name)
+            gather = lambda x: _gather(x, axis_name)  # noqa: E731
+            me = lax.axis_index(axis_name)
+        else:
+            gather = lambda x: x[None]  # noqa: E731
+            me = 0
+        buffers, taken, overflowed = _insert_all(
+            [accs[i] for i in sparse_at],
+            [jax.tree.map(gather, grads[i]) for i in sparse_at],
+            gather(offered),
+        )
+        accepted, overflow = taken[me], overflowed[me]
+        for i, buf in zip(sparse_at, buffers, strict=True):
+            accs[i] = buf
+        accs = [
+            a if _is_buffer(a) else _common.add_where(accepted, a, g)
+            for a, g in zip(accs, grads, strict=True)
+        ]
+        accumulator = jax.tree.unflatten(
+            jax.tree.structure(state.accumulator, is_leaf=_is_buffer), accs
+        )
+        arrived = jnp.stack([accepted, ~fresh, fresh & ~finite, overflow]).astype(jnp.int32)
+        if axis_name is not None:
+            arrived = lax.psum(arrived, axis_name)
+        count = _common.saturating_add(state.count, arrived[0])
+        emit = count >= required(state.global_step)
+
+        def aggregate(accumulator):
+            def leaf(a, g):
+                if _is_buffer(a):
+                    return _release_rows(a, mean, g)
+                return _common.reduce_dense(a, count if mean else None, g, axis_name)
+
+            return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_buffer)
+
+        def release(accumulator, inner_state):
+            new_updates, inner_state = inner.update(
+                aggregate(accumulator), inner_state, params, **extra_args
+            )
+            cleared = jax.tree.map(
+                lambda a: _reset(a) if _is_buffer(a) else jnp.zeros_like(a),
+                accumulator,
+                is_leaf=_is_buffer,
+            )
+            return new_updates, inner_state, cleared
+
+        def hold(accumulator, inner_state):
+            shapes = jax.eval_shape(aggregate, accumulator)
+            held = _common.zero_updates(inner, shapes, inner_state, params, **extra_args)
+            return _as_padding(held), inner_state, accumulator
+
+        new_updates, inner_state, accumulator = _common.cond(
+            emit, release, hold, accumulator, state.inner_state
+        )
+        new_state = SparseConditionalAccumulatorState(
+            global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
+            count=jnp.where(emit, 0, count),
+            num_dropped=_common.saturating_add(state.num_dropped, arrived[1]),
+            num_nonfinite=_common.saturating_add(state.num_nonfinite, arrived[2]),
+            num_overflowed=_common.saturating_add(state.num_overflowed, arrived[3]),
+            emitted=emit,
+            accumulator=accumulator,
+            inner_state=inner_state,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _as_padding(tree: Any) -> Any:
+    """Zero `IndexedSlices` leaves get padding ids, so applying them touches no row."""
+
+    def pad(u: Any) -> Any:
+        if not isinstance(u, IndexedSlices):
+            return u
+        return IndexedSlices(jnp.full_like(u.indices, u.padding_index), u.values, u.dense_shape)
+
+    return jax.tree.map(pad, tree, is_leaf=is_indexed_slices)
+
+
+def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
+    """SGD that scales only the values of `IndexedSlices` (and dense leaves as usual).
+
+    `optax.sgd` must not see raw `IndexedSlices`: it would scale the row ids too. This
+    is `optax.sgd(learning_rate)` (without momentum) for trees that mix `IndexedSlices`
+    and arrays: each update is `-learning_rate * gradient`, and sparse updates stay
+    sparse, so `sparse_conditional_accumulator(sparse_sgd(lr), ...)` followed by
+    `optax_accum.apply_updates` writes only the rows some gradient touched.
+
+    Args:
+      learning_rate: a scalar (may be traced, for `optax.inject_hyperparams`) or an
+        `optax.Schedule` of the update count.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`, with the state of
+      `optax.scale_by_learning_rate`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> g = optax_accum.IndexedSlices(jnp.array([3]), jnp.array([[2.0]]), (5, 1))
+      >>> tx = optax_accum.sparse_sgd(0.5)
+      >>> u, _ = tx.update(g, tx.init(jnp.zeros((5, 1))))
+      >>> u.indices.tolist(), u.values.tolist()
+      ([3], [[-1.0]])
+    """
+    scale = optax.scale_by_learning_rate(learning_rate)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        del params, extra_args
+        values = jax.tree.map(
+            lambda u: u.values if isinstance(u, IndexedSlices) else u,
+            updates,
+            is_leaf=is_indexed_slices,
+        )
+        scaled, state = scale.update(values, state)
+        rebuilt = jax.tree.map(
+            lambda u, s: (
+                IndexedSlices(u.indices, s, u.dense_shape) if isinstance(u, IndexedSlices) else s
+            ),
+            updates,
+            scaled,
+            is_leaf=is_indexed_slices,
+        )
+        return rebuilt, state
+
+    return optax.GradientTransformationExtraArgs(scale.init, update_fn)
+
+
+__all__ = [
+    "RowBuffer",
+    "SparseConditionalAccumulatorState",
+    "sparse_conditional_accumulator",
+    "sparse_sgd",
+]
