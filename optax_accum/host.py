@@ -122,10 +122,10 @@ def _bucket(n: int) -> int:
 
 def _check_dtype(dtype: Any) -> np.dtype:
     try:
-        dt = jnp.dtype(dtype)
+        dt = None if dtype is None else jnp.dtype(dtype)  # np.dtype(None) is float64
     except TypeError:
         dt = None
-    if dt not in _SUPPORTED_DTYPES:
+    if dt is None or dt not in _SUPPORTED_DTYPES:
         names = ", ".join(d.name for d in _SUPPORTED_DTYPES)
         raise TypeError(f"dtype must be one of {names}, got {dtype!r}")
     return dt
