@@ -92,6 +92,13 @@ def _stale_every_third(i: int) -> dict:
     return {"local_step": jnp.int32(-1 if i % 3 == 2 else i // 3)}
 
 
+def _stale_drop_every_third(i: int) -> dict:
+    # drop_stale_gradients(staleness=1): steps 2, 5, ... lag 2 behind (dropped); the
+    # rest are up to date. The global step before step i is i - (i + 1) // 3.
+    step = i - (i + 1) // 3
+    return {"local_step": jnp.int32(step - 2 if i % 3 == 2 else step)}
+
+
 CASES: list[Case] = [
     Case(
         name="conditional_accumulator",
@@ -139,6 +146,38 @@ CASES: list[Case] = [
         ),
         needs_axis=True,
         needs_params=True,
+    ),
+    # cross_shard is stateless and holds nothing; replicas see grads(i) * (r + 1).
+    Case(
+        name="cross_shard_packed",
+        make=lambda axis: optax_accum.cross_shard(axis or "replicas", pack=True),
+        needs_axis=True,
+    ),
+    Case(
+        name="cross_shard_optimizer_groups_sum",
+        make=lambda axis: optax_accum.cross_shard_optimizer(
+            adam(0.1), axis or "replicas", reduction="sum", group_assignment=[[1, 0]]
+        ),
+        needs_axis=True,
+    ),
+    Case(
+        name="drop_stale_gradients",
+        make=lambda axis: optax_accum.drop_stale_gradients(adam(0.1), 1, axis_name=axis),
+        extra_args=_stale_drop_every_third,
+        hold_step=lambda i: i % 3 == 2,
+        drop_step=lambda i: i % 3 == 2,
+    ),
+    Case(
+        name="drop_stale_gradients_shared",
+        make=lambda axis: optax_accum.drop_stale_gradients(
+            optax_accum.cross_shard_optimizer(adam(0.1), axis or "replicas"),
+            1,
+            axis_name=axis or "replicas",
+        ),
+        needs_axis=True,
+        extra_args=_stale_drop_every_third,
+        hold_step=lambda i: i % 3 == 2,
+        drop_step=lambda i: i % 3 == 2,
     ),
 ]
 
