@@ -177,7 +177,8 @@ def conditional_accumulator(
         num_nonfinite = _common.saturating_add(state.num_nonfinite, arrived[2])
         emit = count >= required(state.global_step)
 
-        def release(accumulator, inner_state):
+        def release(carry):
+            _, inner_state, accumulator = carry
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
             if mean:
                 total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
@@ -185,12 +186,10 @@ def conditional_accumulator(
             new_updates, inner_state = inner.update(aggregate, inner_state, params, **extra_args)
             return new_updates, inner_state, optax.tree.zeros_like(accumulator)
 
-        def hold(accumulator, inner_state):
-            held = _common.zero_updates(inner, updates, inner_state, params, **extra_args)
-            return held, inner_state, accumulator
-
-        new_updates, inner_state, accumulator = _common.cond(
-            emit, release, hold, accumulator, state.inner_state
+        # Held: zeros, and the inner state and accumulator pass through in place.
+        held = _common.zero_updates(inner, updates, state.inner_state, params, **extra_args)
+        new_updates, inner_state, accumulator = _common.apply_if(
+            emit, release, (held, state.inner_state, accumulator)
         )
         new_state = ConditionalAccumulatorState(
             global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
