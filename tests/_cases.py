@@ -84,7 +84,16 @@ class Case:
     apply_updates: Callable[[Any, Any], Any] = optax.apply_updates
 
     def replica_grads(self, i: int, r: int) -> Any:
-        return jax.tree.map(lambda g: g * (r + 1), self.grads(i))
+        def scale(g: Any) -> Any:  # IndexedSlices: scale the rows, never the ids
+            if isinstance(g, optax_accum.IndexedSlices):
+                return optax_accum.IndexedSlices(g.indices, g.values * (r + 1), g.dense_shape)
+            return g * (r + 1)
+
+        return jax.tree.map(scale, self.grads(i), is_leaf=_is_slices)
+
+
+def _is_slices(x: Any) -> bool:
+    return isinstance(x, optax_accum.IndexedSlices)
 
 
 def _stale_every_third(i: int) -> dict:
@@ -97,6 +106,32 @@ def _stale_drop_every_third(i: int) -> dict:
     # rest are up to date. The global step before step i is i - (i + 1) // 3.
     step = i - (i + 1) // 3
     return {"local_step": jnp.int32(step - 2 if i % 3 == 2 else step)}
+
+
+def _sparse_params() -> dict:
+    return {"emb": jnp.linspace(-1.0, 1.0, 36, dtype=jnp.float32).reshape(12, 3), "b": jnp.zeros(3)}
+
+
+def _sparse_grads(i: int) -> dict:
+    # Four ids per gradient: one duplicate pair and one padding row (id 12).
+    rng = np.random.default_rng(100 + i)
+    ids = rng.choice(12, size=3, replace=False)
+    ids = np.array([ids[0], ids[1], ids[0], 12 if i % 2 else ids[2]], np.int32)
+    return {
+        "emb": optax_accum.IndexedSlices(
+            jnp.asarray(ids), jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), (12, 3)
+        ),
+        "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+    }
+
+
+def _sparse_accumulator(axis: Any, **kw: Any) -> optax.GradientTransformationExtraArgs:
+    return optax_accum.sparse_conditional_accumulator(
+        optax.chain(optax_accum.densify(), adam(0.1)),
+        sparse={"emb": True, "b": False},
+        axis_name=axis,
+        **kw,
+    )
 
 
 CASES: list[Case] = [
@@ -124,6 +159,29 @@ CASES: list[Case] = [
         make=lambda axis: optax_accum.conditional_accumulator(
             adam(0.1), num_required=2 * REPLICAS, axis_name=axis or "replicas"
         ),
+        needs_axis=True,
+        extra_args=_stale_every_third,
+        hold_step=lambda i: i % 3 == 0,
+        drop_step=lambda i: i % 3 == 2,
+    ),
+    Case(
+        name="sparse_conditional_accumulator",
+        make=lambda axis: _sparse_accumulator(axis, num_required=2, capacity=8),
+        params=_sparse_params,
+        grads=_sparse_grads,
+        apply_updates=optax_accum.apply_updates,
+        extra_args=_stale_every_third,
+        hold_step=lambda i: i % 3 == 0,
+        drop_step=lambda i: i % 3 == 2,
+    ),
+    Case(
+        name="sparse_conditional_accumulator_shared",
+        make=lambda axis: _sparse_accumulator(
+            axis or "replicas", num_required=2 * REPLICAS, capacity=12
+        ),
+        params=_sparse_params,
+        grads=_sparse_grads,
+        apply_updates=optax_accum.apply_updates,
         needs_axis=True,
         extra_args=_stale_every_third,
         hold_step=lambda i: i % 3 == 0,
