@@ -168,8 +168,10 @@ def agn(
 
     def init_fn(params: optax.Params) -> AGNState:
         zero = _common.int32(0)
+        # zeros_like, not zeros: under shard_map the sum varies over the mesh axes the
+        # params vary over, so the state's types are the same before and after update.
         accumulator = (
-            () if delta else jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), sum_dtype(p)), params)
+            () if delta else jax.tree.map(lambda p: jnp.zeros_like(p, sum_dtype(p)), params)
         )
         return AGNState(
             global_step=zero,

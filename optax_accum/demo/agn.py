@@ -1,0 +1,221 @@
+"""Demo section and study core: AGN (local SGD) against synchronous data-parallel SGD.
+
+Eight workers each train on their own shard of digits and see the same examples in
+every method. Synchronous SGD (`cross_shard_optimizer`) all-reduces gradients every
+step; `agn` all-reduces once per `communication_period` steps. The table reports the
+centre's final test accuracy, the number of all-reduces and the bytes they carry;
+`benchmarks/agn.py` runs the same study at full size and plots accuracy against
+communication rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum import _common
+from optax_accum.demo import Row, Sizes, _data
+
+WORKERS = 8
+LEARNING_RATE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to train the eight workers.
+
+    `make(axis_name)` builds the transform; `model(params, state)` is the model the
+    method evaluates (the centre for AGN); `synced(state)` tells whether the last step
+    all-reduced.
+    """
+
+    name: str
+    make: Callable[[str], optax.GradientTransformationExtraArgs]
+    model: Callable[[Any, Any], Any] = lambda params, state: state.centre
+    synced: Callable[[Any], jax.Array] = optax_accum.has_updated
+
+
+def methods(lr: float = LEARNING_RATE) -> list[Method]:
+    """Synchronous SGD, then AGN as TF runs it, with a scaled outer step, and by delta."""
+    sync = Method(
+        "sync SGD (cross_shard_optimizer)",
+        lambda axis: optax_accum.cross_shard_optimizer(optax.sgd(lr), axis),
+        model=lambda params, state: params,
+        synced=lambda state: jnp.asarray(True),
+    )
+    tf_default = [
+        Method(
+            f"agn P={p} (TF: outer = inner)",
+            lambda axis, p=p: optax_accum.agn(optax.sgd(lr), p, axis_name=axis),
+        )
+        for p in (1, 4, 16)
+    ]
+    scaled = [
+        Method(
+            f"agn P={p}, outer sgd({p}*lr)",
+            lambda axis, p=p: optax_accum.agn(
+                optax.sgd(lr), p, axis_name=axis, outer=optax.sgd(p * lr)
+            ),
+        )
+        for p in (4, 16)
+    ]
+    delta = [
+        Method(
+            "agn delta P=4, outer sgd(1) (paper)",
+            lambda axis: optax_accum.agn(optax.sgd(lr), 4, axis_name=axis, commit="delta"),
+        ),
+        Method(
+            "agn delta P=4, outer sgd(4) (model avg.)",
+            lambda axis: optax_accum.agn(
+                optax.sgd(lr), 4, axis_name=axis, commit="delta", outer=optax.sgd(4.0)
+            ),
+        ),
+        Method(
+            "agn delta P=4, DiLoCo outer",
+            lambda axis: optax_accum.agn(
+                optax.sgd(lr),
+                4,
+                axis_name=axis,
+                commit="delta",
+                outer=optax.sgd(0.7 * 4, momentum=0.9, nesterov=True),
+            ),
+        ),
+    ]
+    return [sync, *tf_default, *scaled, *delta]
+
+
+@dataclasses.dataclass
+class Result:
+    """One method's outcome: final accuracy, communication, and the accuracy curve."""
+
+    method: str
+    accuracy: float
+    loss: float
+    all_reduces: int
+    bytes: int
+    rounds: list[int]
+    curve: list[float]
+    seconds: float
+
+
+def _worker_fn(method: Method, model: Any, x_test: Any, y_test: Any) -> Callable:
+    """One worker's whole training run, as a function of its shard and batch indices."""
+    tx = method.make("w")
+    grad_fn = jax.grad(lambda p, xb, yb: _data.loss_fn(model, p, xb, yb))
+
+    def test_accuracy(params):
+        logits = model.apply({"params": params}, x_test)
+        return (jnp.argmax(logits, -1) == y_test).mean(dtype=jnp.float32)
+
+    def test_loss(params):
+        return _data.loss_fn(model, params, x_test, y_test)
+
+    def worker(params, xs, ys, idx):
+        def body(carry, batch):
+            params, state = carry
+            updates, state = tx.update(grad_fn(params, xs[batch], ys[batch]), state, params)
+            params = optax.apply_updates(params, updates)
+            synced = method.synced(state)
+            acc = _common.cond(
+                synced,
+                lambda: test_accuracy(method.model(params, state)),
+                lambda: jnp.float32(-1.0),
+            )
+            return (params, state), (synced, acc)
+
+        (params, state), (synced, curve) = jax.lax.scan(body, (params, tx.init(params)), idx)
+        final = method.model(params, state)
+        return synced, curve, test_accuracy(final), test_loss(final)
+
+    return worker
+
+
+def _spmd(worker: Callable) -> Callable:
+    """Runs `worker` on 8 devices with shard_map if there are 8, else under vmap.
+
+    Inputs after the first (the shared initial params) carry a leading worker axis;
+    every output comes back with one.
+    """
+    if jax.device_count() < WORKERS:
+        return jax.jit(jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name="w"))
+    mesh = jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def varying(x):
+        return (
+            x
+            if "w" in jax.typeof(x).manual_axis_type.varying
+            else jax.lax.pcast(x, "w", to="varying")
+        )
+
+    def per_device(params, *data):
+        out = worker(jax.tree.map(varying, params), *(d[0] for d in data))
+        return jax.tree.map(lambda o: varying(o)[None], out)
+
+    return jax.jit(
+        jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P("w"), P("w"), P("w")), out_specs=P("w")
+        )
+    )
+
+
+def study(
+    sizes: Sizes, selected: list[Method] | None = None, progress: bool = True
+) -> list[Result]:
+    """Trains every method for `sizes.steps` local steps of `sizes.batch` per worker."""
+    x, y, xt, yt = _data.digits(sizes.seed)
+    n = len(x) // WORKERS
+    xs = jnp.asarray(x[: n * WORKERS].reshape(WORKERS, n, -1))
+    ys = jnp.asarray(y[: n * WORKERS].reshape(WORKERS, n))
+    idx = np.random.default_rng(sizes.seed).integers(0, n, size=(WORKERS, sizes.steps, sizes.batch))
+    idx = jnp.asarray(idx, jnp.int32)
+    model, params = _data.init_mlp(sizes.seed)
+    payload = sum(int(np.asarray(p).nbytes) for p in jax.tree.leaves(params))
+    selected = methods() if selected is None else selected
+    results = []
+    iterator = _data.progress(selected, "agn study") if progress else selected
+    for method in iterator:
+        start = time.perf_counter()
+        run = _spmd(_worker_fn(method, model, jnp.asarray(xt), jnp.asarray(yt)))
+        synced, curve, accuracy, loss = jax.device_get(run(params, xs, ys, idx))
+        synced, curve = np.asarray(synced[0]), np.asarray(curve[0])
+        rounds = np.cumsum(synced)
+        results.append(
+            Result(
+                method=method.name,
+                accuracy=float(accuracy[0]),
+                loss=float(loss[0]),
+                all_reduces=int(rounds[-1]),
+                bytes=int(rounds[-1]) * payload,
+                rounds=rounds[synced].tolist(),
+                curve=curve[synced].tolist(),
+                seconds=time.perf_counter() - start,
+            )
+        )
+    return results
+
+
+def run(sizes: Sizes) -> list[Row]:
+    """The demo section: the study's table at the demo's size."""
+    steps = max(16, sizes.steps // 16 * 16)  # a whole number of rounds for every period
+    results = study(dataclasses.replace(sizes, steps=steps, batch=min(sizes.batch, 16)))
+    return [
+        Row(
+            section="agn",
+            method=r.method,
+            accuracy=r.accuracy,
+            updates=r.all_reduces,
+            dropped=0,
+            collectives=f"{r.all_reduces} all-reduce, {r.bytes / 1e6:.1f} MB",
+            seconds=r.seconds,
+        )
+        for r in results
+    ]
