@@ -11,6 +11,7 @@ from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.flax_train_state import TrainState
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
+from optax_accum.sharding import replica_group_mesh, state_partition_specs
 from optax_accum.sparse import (
     SparseConditionalAccumulatorState,
     sparse_conditional_accumulator,
@@ -44,8 +45,10 @@ __all__ = [
     "global_step",
     "has_updated",
     "num_accumulated",
+    "replica_group_mesh",
     "set_global_step",
     "sparse_conditional_accumulator",
     "sparse_sgd",
     "staleness_percentage",
+    "state_partition_specs",
 ]
