@@ -143,12 +143,12 @@ def _run_shard_map(tx, grads, extra, specs):
     mesh = _mesh()
     params = jax.tree.map(lambda x: jnp.stack([x] * 8), _params())  # per-replica copies
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(_params())
-    first, add = (
-        (lambda t: jax.tree.map(lambda x: x[0], t)),
-        (  # noqa: E731
-            lambda t: jax.tree.map(lambda x: x[None], t)
-        ),
-    )
+
+    def first(t):
+        return jax.tree.map(lambda x: x[0], t)
+
+    def add(t):
+        return jax.tree.map(lambda x: x[None], t)
 
     def body(p, s, g):
         u, s = tx.update(first(g), s, first(p), **extra)
