@@ -176,6 +176,26 @@ def group_sum(x: jax.Array, axis_name: Any, groups: Groups | None) -> jax.Array:
         return _exact_group_sum(x, axis_name, groups)
 
 
+def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
+    """Raises if shard_map typing says `leaf` is already the same on every replica.
+
+    Under `jax.shard_map` (with its default `check_vma=True`), `jax.grad` with respect
+    to replicated params returns the gradients already summed over the axis; averaging
+    that again would silently return the sum. `pmap` and `vmap` do not track this, so
+    nothing is checked there.
+    """
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+        tracked = name in _common._varying_axes(jax.typeof(lax.axis_index(name)))
+        if tracked and name not in _common._varying_axes(jax.typeof(leaf)):
+            raise ValueError(
+                f"{where} must differ per replica of axis {name!r}, but under jax.shard_map "
+                "it is replica-invariant: jax.grad with respect to replicated params already "
+                "sums the gradients over the axis. Differentiate with respect to per-replica "
+                f"params, jax.lax.pcast(params, {name!r}, to='varying'), so each replica "
+                "gets its own gradient"
+            )
+
+
 # --------------------------------------------------------------------------- packing
 
 
@@ -222,9 +242,14 @@ def cross_shard(
     of a buffer n/k times the gradient's size holding each replica's value in its
     group's row (about 2(n-1)/k, versus 2(n-1)/n for a plain all-reduce). The
     permutes are chosen while k(k-1) < 2(n-1). Both give bit-identical results on
-    every member of a group. When the devices can be laid out by group, a mesh from
-    `optax_accum.replica_group_mesh` turns the groups into a mesh axis and the
-    reduction into a plain all-reduce over it: the fast path on a pod.
+    every member of a group. Under `jax.shard_map`, each replica's gradient must be
+    its own (varying over the axis): take it with respect to
+    `jax.lax.pcast(params, axis_name, to="varying")`, since `jax.grad` with respect
+    to replicated params already returns the sum over the axis (a replica-invariant
+    gradient is an error, not silently summed twice). When the devices can be laid
+    out by group, a mesh from `optax_accum.replica_group_mesh` turns the groups into
+    a mesh axis and the reduction into a plain all-reduce over it: the fast path on
+    a pod.
 
     Differences from TF: TF scales the loss by 1/num_shards and sums the gradients;
     this averages the gradients themselves (same numbers; it also holds for gradients
@@ -251,8 +276,9 @@ def cross_shard(
 
     Raises:
       ValueError: for a bad `reduction` or a malformed `group_assignment` (at
-        construction); at trace time, when `axis_name` is not bound, or the
-        group_assignment does not cover exactly the replicas of `axis_name`.
+        construction); at trace time, when `axis_name` is not bound, the
+        group_assignment does not cover exactly the replicas of `axis_name`, or under
+        shard_map a gradient leaf is replica-invariant.
       TypeError: for a bad `communication_dtype` or `pack` (at construction), and for
         a non-floating gradient leaf (at trace time).
 
@@ -306,6 +332,7 @@ def cross_shard(
                     f"updates{jax.tree_util.keystr(path)} must be floating, got dtype "
                     f"{jnp.result_type(leaf)}"
                 )
+            _check_per_replica(f"updates{jax.tree_util.keystr(path)}", leaf, axis_name)
         arrays = [jnp.asarray(leaf) for _, leaf in leaves]
         one = lambda x: reduce(x, divisor)  # noqa: E731
         reduced = _packed(one, arrays) if pack else [one(x) for x in arrays]

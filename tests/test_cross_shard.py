@@ -319,3 +319,25 @@ def test_unbound_axis_and_integer_gradients_raise_at_trace_time():
 def test_exported():
     assert optax_accum.cross_shard is cross_shard
     assert optax_accum.cross_shard_optimizer is cross_shard_optimizer
+
+
+def test_replica_invariant_gradient_under_shard_map_raises():
+    """jax.grad w.r.t. replicated params under shard_map is already the sum over the axis."""
+    mesh = Mesh(np.array(jax.devices()), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = cross_shard("i")
+
+    def body(w, x, per_replica):
+        if per_replica:
+            w = jax.lax.pcast(w, "i", to="varying")
+        g = jax.grad(lambda w: jnp.sum(w * x))(w)
+        return tx.update(g, tx.init(g))[0]
+
+    def run(per_replica):
+        fn = jax.shard_map(
+            lambda w, x: body(w, x, per_replica), mesh=mesh, in_specs=(P(), P("i")), out_specs=P()
+        )
+        return jax.jit(fn)(jnp.ones(1), jnp.arange(8.0))
+
+    np.testing.assert_array_equal(run(True), [3.5])  # the mean of the replicas' gradients
+    with pytest.raises(ValueError, match="must differ per replica of axis 'i'.*pcast"):
+        run(False)
