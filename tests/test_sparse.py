@@ -1,0 +1,488 @@
+"""sparse_conditional_accumulator and sparse_sgd: TF vectors, a NumPy model, devices."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum import IndexedSlices, sparse_conditional_accumulator
+
+ROWS = 6  # table rows in the small tests; id 6 is padding
+
+
+def _g(ids, rows, shape=(ROWS, 2)):
+    return IndexedSlices(jnp.asarray(ids, jnp.int32), jnp.asarray(rows, jnp.float32), shape)
+
+
+def _feeder(tx, params):
+    """A jitted `offer(grad, local_step)` returning the updates, tracking state."""
+    box = {"state": tx.init(params)}
+    update = jax.jit(lambda g, s, ls: tx.update(g, s, params, local_step=ls))
+
+    def offer(grad, local_step=None):
+        ls = None if local_step is None else jnp.int32(local_step)
+        updates, box["state"] = update(grad, box["state"], ls)
+        return updates
+
+    return offer, box
+
+
+def _rows(u: IndexedSlices) -> tuple[list, np.ndarray]:
+    """The non-padding (ids, values) of an emitted IndexedSlices; checks the padding."""
+    ids, vals = np.asarray(u.indices), np.asarray(u.values)
+    real = ids < u.dense_shape[0]
+    assert np.all(real[: real.sum()]), f"padding must come last: {ids}"
+    assert np.all(np.diff(ids[real]) > 0), f"ids must be sorted and unique: {ids}"
+    assert np.all(ids[~real] == u.dense_shape[0]) and np.all(vals[~real] == 0)
+    return ids[real].tolist(), vals[real]
+
+
+# --------------------------------------------------------------------------- TF vectors
+
+
+@pytest.mark.parametrize(
+    ("reduction", "expected"),
+    [("MEAN", [[0.5, 0.5], [0, 2], [3, 0]]), ("SUM", [[1, 1], [0, 2], [3, 0]])],
+)
+def test_two_gradients_per_row_mean_and_sum(reduction, expected):
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 2, capacity=4, reduction=reduction, sparse=True
+    )
+    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    assert _rows(offer(_g([0, 1], [[1, 0], [0, 2]]), 0))[0] == []
+    ids, vals = _rows(offer(_g([0, 2], [[0, 1], [3, 0]]), 0))
+    assert ids == [0, 1, 2]
+    np.testing.assert_allclose(vals, expected)
+    # The next window, tagged with local step 1.
+    offer(_g([0, 1], [[10, 0], [0, 20]]), 1)
+    ids, vals = _rows(offer(_g([0, 2], [[0, 10], [30, 0]]), 1))
+    scale = 1 if reduction == "SUM" else 0.5
+    np.testing.assert_allclose(vals, np.array([[10, 10], [0, 20], [30, 0]]) * [[scale], [1], [1]])
+    assert int(optax_accum.global_step(box["state"])) == 2
+
+
+def test_each_row_divided_by_the_gradients_that_touched_it():
+    tx = sparse_conditional_accumulator(optax.identity(), 3, capacity=4, sparse=True)
+    offer, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
+    offer(_g([0, 1], [[3, 3], [6, 6]]))
+    offer(_g([1], [[3, 3]]))
+    ids, vals = _rows(offer(_g([1, 3], [[0, 0], [9, 9]])))
+    assert ids == [0, 1, 3]
+    np.testing.assert_allclose(vals, [[3, 3], [3, 3], [9, 9]])
+
+
+@pytest.mark.parametrize(("reduction", "expected"), [("MEAN", 55.0), ("SUM", 550.0)])
+def test_ten_replicas_offer_diagonals(reduction, expected):
+    """TF's ten threads applying diag(x, x), as ten replicas of one axis."""
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 10, capacity=2, reduction=reduction, sparse=True, axis_name="r"
+    )
+    xs = jnp.arange(10, 110, 10, dtype=jnp.float32)
+    params = jnp.zeros((2, 2))
+
+    def offer(x):
+        g = IndexedSlices(jnp.array([0, 1]), jnp.array([[x, 0.0], [0.0, x]]), (2, 2))
+        return tx.update(g, tx.init(params), params)[0]
+
+    u = jax.jit(jax.vmap(offer, axis_name="r"))(xs)
+    np.testing.assert_array_equal(u.indices, np.tile([0, 1], (10, 1)))
+    np.testing.assert_allclose(u.values[3], [[expected, 0], [0, expected]])
+
+
+def test_blocking_take_of_three():
+    tx = sparse_conditional_accumulator(optax.identity(), 3, capacity=2, sparse=True)
+    offer, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
+    for x in (10.0, 20.0):
+        assert _rows(offer(_g([0], [[0, x]])))[0] == []
+    ids, vals = _rows(offer(_g([0], [[0, 30.0]])))
+    assert ids == [0]
+    np.testing.assert_allclose(vals, [[0, 20]])
+
+
+def test_stale_gradients_are_dropped_future_ones_accepted():
+    tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=2, sparse=True)
+    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    box["state"] = optax_accum.set_global_step(box["state"], 5)
+    offer(_g([1], [[9.0, 9.0]]), 4)
+    assert (
+        int(box["state"].num_dropped) == 1 and int(optax_accum.num_accumulated(box["state"])) == 0
+    )
+    offer(_g([1], [[2.0, 2.0]]), 5)
+    assert int(optax_accum.num_accumulated(box["state"])) == 1
+    ids, vals = _rows(offer(_g([1], [[4.0, 4.0]]), 100))
+    assert ids == [1] and bool(optax_accum.has_updated(box["state"]))
+    np.testing.assert_allclose(vals, [[3.0, 3.0]])
+    assert int(optax_accum.global_step(box["state"])) == 6
+    offer(_g([1], [[1.0, 1.0]]), 5)
+    offer(_g([2], [[1.0, 1.0]]), 6)
+    assert int(box["state"].num_dropped) == 2
+    assert int(optax_accum.num_accumulated(box["state"])) == 1
+    assert not bool(optax_accum.has_updated(box["state"]))
+
+
+def test_empty_gradient_is_accepted_and_counts():
+    tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=2, sparse=True)
+    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    empty = IndexedSlices(jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2)), (ROWS, 2))
+    offer(empty)
+    assert int(optax_accum.num_accumulated(box["state"])) == 1
+    offer2, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
+    offer2(empty)
+    assert _rows(offer2(empty))[0] == []
+
+
+def test_duplicates_sum_and_count_once_unsorted_ids_come_back_sorted():
+    tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=3, sparse=True)
+    offer, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
+    offer(_g([2, 0, 2], [[1, 0], [5, 5], [2, 0]]))  # row 2 gets [3, 0], counted once
+    ids, vals = _rows(offer(_g([0, 2], [[1, 1], [1, 2]])))
+    assert ids == [0, 2]  # TF would return [0, 2, 0] for unsorted input
+    np.testing.assert_allclose(vals, [[3, 3], [2, 1]])
+
+
+def test_out_of_range_and_negative_ids_are_padding():
+    tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse=True)
+    offer, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
+    ids, vals = _rows(offer(_g([-1, 4, ROWS, 99], [[1, 1], [2, 2], [3, 3], [4, 4]])))
+    assert ids == [4]
+    np.testing.assert_allclose(vals, [[2, 2]])
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def test_overflowing_gradient_is_rejected_whole():
+    params = {"a": jnp.zeros((ROWS, 2)), "b": jnp.zeros((ROWS, 1)), "d": jnp.zeros(2)}
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 2, capacity=2, sparse={"a": True, "b": True, "d": False}
+    )
+    offer, box = _feeder(tx, params)
+
+    def grad(a_ids, b_ids, d):
+        return {
+            "a": _g(a_ids, np.ones((len(a_ids), 2))),
+            "b": _g(b_ids, np.ones((len(b_ids), 1)), (ROWS, 1)),
+            "d": jnp.full(2, d, jnp.float32),
+        }
+
+    offer(grad([0], [0], 1.0))
+    before = box["state"]
+    # "a" fits (rows 0, 1) but "b" would need 3 slots: nothing of it is kept.
+    offer(grad([1], [1, 2], jnp.nan))
+    after = box["state"]
+    assert int(after.num_overflowed) == 1 and int(after.count) == 1
+    jax.tree.map(np.testing.assert_array_equal, after._replace(num_overflowed=0), before)
+    u = offer(grad([1, 0], [5], 3.0))
+    assert _rows(u["a"])[0] == [0, 1] and _rows(u["b"])[0] == [0, 5]
+    np.testing.assert_allclose(u["d"], [2.0, 2.0])
+
+
+def test_capacity_refills_after_each_release():
+    tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse=True)
+    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    for ids in ([0, 1], [2, 3], [4, 5], [1, 4]):
+        assert _rows(offer(_g(ids, np.ones((2, 2)))))[0] == ids
+    assert int(box["state"].num_overflowed) == 0
+    buf = box["state"].accumulator
+    np.testing.assert_array_equal(buf.slot_of, -np.ones(ROWS))  # the map is cleared
+
+
+# --------------------------------------------------------------------------- NumPy model
+
+
+class Reference:
+    """float64 model of the accumulator with `optax.identity()` inside.
+
+    `offer` takes the gradients of one step (one per replica, in replica order):
+    each is dropped if stale, rejected whole if its new rows overflow the capacity,
+    otherwise accumulated; the release check runs after the whole step.
+    """
+
+    def __init__(self, num_required, capacity, mean, rows=ROWS):
+        self.k, self.capacity, self.mean, self.num_rows = num_required, capacity, mean, rows
+        self.gs = self.dropped = self.overflowed = 0
+        self._reset()
+
+    def _reset(self):
+        self.count, self.sums, self.touches, self.dense = 0, {}, {}, 0.0
+
+    def offer(self, grads):
+        for ids, values, dense, ls in grads:
+            if ls < self.gs:
+                self.dropped += 1
+                continue
+            touched = sorted({int(i) for i in ids if 0 <= i < self.num_rows})
+            if len(set(self.sums) | set(touched)) > self.capacity:
+                self.overflowed += 1
+                continue
+            for row in touched:
+                total = np.sum(np.asarray(values, np.float64)[np.asarray(ids) == row], axis=0)
+                self.sums[row] = self.sums.get(row, 0.0) + total
+                self.touches[row] = self.touches.get(row, 0) + 1
+            self.dense = self.dense + np.asarray(dense, np.float64)
+            self.count += 1
+        if self.count < self.k:
+            return None
+        ids = sorted(self.sums)
+        vals = [self.sums[i] / (self.touches[i] if self.mean else 1) for i in ids]
+        dense = self.dense / (self.count if self.mean else 1)
+        self.gs += 1
+        self._reset()
+        return ids, np.array(vals).reshape(len(ids), 2), dense
+
+
+@functools.cache
+def _jitted_update(num_required, capacity, mean):
+    tx = sparse_conditional_accumulator(
+        optax.identity(),
+        num_required,
+        capacity=capacity,
+        reduction="mean" if mean else "sum",
+        sparse={"e": True, "d": False},
+    )
+    return tx, jax.jit(lambda g, s, ls: tx.update(g, s, local_step=ls))
+
+
+_step = st.tuples(
+    st.lists(st.integers(-1, ROWS), min_size=4, max_size=4),  # ids, with padding and dups
+    st.lists(st.floats(-4, 4, width=32), min_size=8, max_size=8),
+    st.floats(-4, 4, width=32),
+    st.integers(0, 3),  # local-step lag behind a counter that moves with releases
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.sampled_from([2, 3, ROWS]),
+    st.booleans(),
+    st.lists(_step, min_size=1, max_size=10),
+)
+def test_matches_numpy_reference(num_required, capacity, mean, steps):
+    tx, update = _jitted_update(num_required, capacity, mean)
+    ref = Reference(num_required, capacity, mean)
+    state = tx.init({"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros(())})
+    for ids, values, dense, lag in steps:
+        ls = ref.gs + 1 - lag  # lag 0: from the future; 1: current; 2, 3: stale
+        values = np.asarray(values, np.float32).reshape(4, 2)
+        grad = {"e": _g(ids, values), "d": jnp.float32(dense)}
+        u, state = update(grad, state, jnp.int32(ls))
+        expected = ref.offer([(ids, values, dense, ls)])
+        assert bool(state.emitted) == (expected is not None)
+        if expected is None:
+            assert _rows(u["e"])[0] == [] and float(u["d"]) == 0.0
+            continue
+        got_ids, got_vals = _rows(u["e"])
+        assert got_ids == expected[0]
+        np.testing.assert_allclose(got_vals, expected[1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(float(u["d"]), expected[2], rtol=1e-5, atol=1e-5)
+    assert int(state.global_step) == ref.gs and int(state.count) == ref.count
+    assert int(state.num_dropped) == ref.dropped
+    assert int(state.num_overflowed) == ref.overflowed
+
+
+# --------------------------------------------------------------------------- mixed trees
+
+
+def test_dense_leaves_match_conditional_accumulator_exactly():
+    rng = np.random.default_rng(3)
+    params = {"e": jnp.zeros((ROWS, 2)), "w": jnp.zeros((2, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    sparse_tx = sparse_conditional_accumulator(
+        optax.identity(), 3, capacity=ROWS, sparse=lambda p: {"e": True, "w": False, "b": False}
+    )
+    dense_tx = optax_accum.conditional_accumulator(optax.identity(), 3)
+    dense_params = {"w": params["w"], "b": params["b"]}
+    s_offer, s_box = _feeder(sparse_tx, params)
+    d_offer, d_box = _feeder(dense_tx, dense_params)
+    for i in range(8):
+        dense = {
+            "w": jnp.asarray(rng.normal(size=(2, 3)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=3), jnp.bfloat16),
+        }
+        ls = i // 4 - (i % 4 == 3)  # every fourth gradient is stale
+        su = s_offer({"e": _g([i % ROWS], [[1, 1]]), **dense}, ls)
+        du = d_offer(dense, ls)
+        for k in ("w", "b"):
+            assert su[k].dtype == du[k].dtype
+            np.testing.assert_array_equal(su[k], du[k])
+            np.testing.assert_array_equal(
+                s_box["state"].accumulator[k], d_box["state"].accumulator[k]
+            )
+    assert int(s_box["state"].num_dropped) == int(d_box["state"].num_dropped) == 2
+
+
+def test_default_marks_tall_matrices_sparse():
+    tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4)
+    state = tx.init({"emb": jnp.zeros((10, 2)), "kernel": jnp.zeros((4, 2)), "b": jnp.zeros(10)})
+    kinds = {k: type(v).__name__ for k, v in state.accumulator.items()}
+    assert kinds == {"emb": "RowBuffer", "kernel": "ArrayImpl", "b": "ArrayImpl"}
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_construction_errors_name_the_argument():
+    with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
+        sparse_conditional_accumulator(optax.identity(), 1, capacity=0)
+    with pytest.raises(TypeError, match="capacity"):
+        sparse_conditional_accumulator(optax.identity(), 1, capacity=2.0)
+    with pytest.raises(ValueError, match="num_required"):
+        sparse_conditional_accumulator(optax.identity(), 0, capacity=2)
+    with pytest.raises(ValueError, match="reduction"):
+        sparse_conditional_accumulator(optax.identity(), 1, capacity=2, reduction="max")
+    with pytest.raises(TypeError, match="sparse"):
+        sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse={"a": 1})
+    tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse={"a": True})
+    with pytest.raises(ValueError, match="structure"):
+        tx.init({"a": jnp.zeros((3, 2)), "b": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="scalar and cannot be sparse"):
+        tx.init({"a": jnp.zeros(())})
+
+
+def test_trace_time_errors_for_bad_gradients():
+    params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros(2)}
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 1, capacity=2, sparse={"e": True, "d": False}
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    ok = {"e": _g([0], [[1, 1]]), "d": jnp.zeros(2)}
+    update(ok, state)
+    cases = [
+        ({**ok, "e": jnp.zeros((ROWS, 2))}, TypeError, r"updates\['e'\] must be an IndexedSlices"),
+        ({**ok, "d": _g([0], [1], (2,))}, TypeError, "accumulates densely"),
+        ({**ok, "e": _g([0], [[1, 1]], (ROWS + 1, 2))}, ValueError, "dense_shape"),
+        ({**ok, "e": _g([0], [[1, 1, 1]], (ROWS, 3))}, ValueError, "dense_shape"),
+        ({**ok, "d": jnp.zeros(3)}, ValueError, "shape"),
+        ({"e": ok["e"]}, ValueError, "tree structure"),
+        (
+            {**ok, "e": IndexedSlices(jnp.array([0]), jnp.array([[1, 1]]), (ROWS, 2))},
+            TypeError,
+            "floating",
+        ),
+    ]
+    for grads, error, match in cases:
+        with pytest.raises(error, match=match):
+            update(grads, state)
+    with pytest.raises(TypeError, match="local_step"):
+        update(ok, state, local_step=1.5)
+    # An unknown row count (TF's -1) is accepted.
+    update({**ok, "e": _g([0], [[1, 1]], (-1, 2))}, state)
+
+
+def test_skip_nonfinite_skips_and_counts():
+    for skip in (False, True):
+        tx = sparse_conditional_accumulator(
+            optax.identity(), 2, capacity=2, sparse=True, skip_nonfinite=skip
+        )
+        offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+        offer(_g([1], [[np.nan, 1.0]]))
+        assert int(box["state"].num_nonfinite) == int(skip)
+        assert int(box["state"].count) == int(not skip)
+
+
+# --------------------------------------------------------------------------- sparse path
+
+
+def test_sparse_sgd_updates_only_the_touched_rows():
+    table = jnp.asarray(np.random.default_rng(0).normal(size=(50, 3)), jnp.float32)
+    tx = sparse_conditional_accumulator(optax_accum.sparse_sgd(0.5), 2, capacity=4, sparse=True)
+    state = tx.init(table)
+
+    @jax.jit
+    def step(table, state, g):
+        u, state = tx.update(g, state, table)
+        return optax_accum.apply_updates(table, u), state, u
+
+    g1 = IndexedSlices(jnp.array([7, 3]), jnp.ones((2, 3)), (50, 3))
+    g2 = IndexedSlices(jnp.array([3, 50]), 3 * jnp.ones((2, 3)), (50, 3))
+    new, state, u = step(table, state, g1)
+    np.testing.assert_array_equal(new, table)
+    assert np.all(np.asarray(u.indices) == 50)  # held: all padding, nothing written
+    new, state, u = step(new, state, g2)
+    expected = np.asarray(table, np.float64)
+    expected[3] -= 0.5 * 2.0  # mean of 1 and 3
+    expected[7] -= 0.5 * 1.0
+    np.testing.assert_allclose(new, expected, rtol=1e-6)
+    untouched = np.setdiff1d(np.arange(50), [3, 7])
+    np.testing.assert_array_equal(new[untouched], table[untouched])
+
+
+def test_sparse_sgd_schedule_and_inject_hyperparams():
+    g = {"e": IndexedSlices(jnp.array([1]), jnp.ones((1, 2)), (3, 2)), "b": jnp.ones(2)}
+    params = {"e": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    sched = optax_accum.sparse_sgd(lambda count: 0.1 * (count + 1).astype(jnp.float32))
+    state = sched.init(params)
+    for lr in (0.1, 0.2):
+        u, state = jax.jit(sched.update)(g, state)
+        np.testing.assert_allclose(u["e"].values, [[-lr, -lr]], rtol=1e-6)
+        np.testing.assert_allclose(u["b"], [-lr, -lr], rtol=1e-6)
+    injected = optax.inject_hyperparams(optax_accum.sparse_sgd)(learning_rate=0.3)
+    u, _ = jax.jit(injected.update)(g, injected.init(params))
+    np.testing.assert_allclose(u["e"].values, [[-0.3, -0.3]], rtol=1e-6)
+    np.testing.assert_array_equal(u["e"].indices, [1])
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_axis_name_on_eight_devices_matches_the_reference():
+    """shard_map over 8 devices: rows gathered each step, dense leaves summed on release."""
+    n, steps = 8, 4
+    mesh = jax.make_mesh((n,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, ROWS + 1, size=(steps, n, 3)).astype(np.int32)
+    values = rng.normal(size=(steps, n, 3, 2)).astype(np.float32)
+    dense = rng.normal(size=(steps, n)).astype(np.float32)
+    lags = rng.integers(0, 2, size=(steps, n))  # lag 1: stale
+    capacity, k = 5, 4
+    tx = sparse_conditional_accumulator(
+        optax.identity(), k, capacity=capacity, sparse={"e": True, "d": False}, axis_name="i"
+    )
+    params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros((1,))}
+    state = tx.init(params)
+    state = state._replace(accumulator={**state.accumulator, "d": jnp.zeros((n,))})
+    state_spec = jax.tree.map(lambda _: P(), state)
+    state_spec = state_spec._replace(
+        accumulator={"e": jax.tree.map(lambda _: P(), state.accumulator["e"]), "d": P("i")}
+    )
+    out_spec = {"e": IndexedSlices(P(), P(), (ROWS, 2)), "d": P()}
+
+    def local(state, i, v, d, ls):
+        g = {"e": IndexedSlices(i[0], v[0], (ROWS, 2)), "d": d}
+        return tx.update(g, state, params, local_step=ls[0])
+
+    step = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(state_spec, P("i"), P("i"), P("i"), P("i")),
+            out_specs=(out_spec, state_spec),
+        )
+    )
+    ref = Reference(k, capacity, mean=True)
+    released = 0
+    for t in range(steps):
+        ls = (ref.gs - lags[t]).astype(np.int32)
+        u, state = step(state, ids[t], values[t], dense[t], ls)
+        expected = ref.offer([(ids[t, r], values[t, r], dense[t, r], ls[r]) for r in range(n)])
+        assert int(state.num_overflowed) == ref.overflowed
+        assert int(state.num_dropped) == ref.dropped
+        if expected is None:
+            assert not bool(state.emitted)
+            continue
+        released += 1
+        got_ids, got_vals = _rows(u["e"])
+        assert got_ids == expected[0]
+        np.testing.assert_allclose(got_vals, expected[1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(u["d"], [expected[2]], rtol=1e-5)
+    assert released >= 2 and ref.overflowed >= 1  # the data exercise both paths
