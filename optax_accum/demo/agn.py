@@ -95,7 +95,11 @@ def methods(lr: float = LEARNING_RATE) -> list[Method]:
 
 @dataclasses.dataclass
 class Result:
-    """One method's outcome: final accuracy, communication, and the accuracy curve."""
+    """One method's outcome: final accuracy, communication, and the accuracy curve.
+
+    `curve[i]` is the centre's test accuracy after communication round `rounds[i]`,
+    which ended at local step `steps[i]`.
+    """
 
     method: str
     accuracy: float
@@ -103,6 +107,7 @@ class Result:
     all_reduces: int
     bytes: int
     rounds: list[int]
+    steps: list[int]
     curve: list[float]
     seconds: float
 
@@ -196,6 +201,7 @@ def study(
                 all_reduces=int(rounds[-1]),
                 bytes=int(rounds[-1]) * payload,
                 rounds=rounds[synced].tolist(),
+                steps=(np.flatnonzero(synced) + 1).tolist(),
                 curve=curve[synced].tolist(),
                 seconds=time.perf_counter() - start,
             )
