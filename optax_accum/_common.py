@@ -221,8 +221,11 @@ def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     the caller's own buffers) passes through untouched. `lax.cond` instead copies
     operands that a branch passes through into its result buffers: with Adam state
     that made a held accumulation step several times dearer than the accumulation
-    itself (benchmarks/NOTES.md). `fn` must return a tree with `carry`'s structure,
-    shapes and dtypes. Varying types under `jax.shard_map` are joined as in `cond`;
+    itself (benchmarks/NOTES.md). Arrays `fn` closes over enter the loop as read-only
+    operands, and an optimization barrier keeps XLA from hoisting work on them out of
+    the loop (where it would run on every call). `fn` must return a tree with
+    `carry`'s structure, shapes and dtypes. Varying types under `jax.shard_map` are
+    joined as in `cond`;
     `pred` must be the same on every replica when `fn` holds a collective. Unlike
     `lax.cond`, this is not reverse-mode differentiable (optimizer updates never are
     differentiated in this library).
@@ -230,13 +233,19 @@ def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     out = jax.eval_shape(fn, carry)
     axes = jax.tree.map(lambda c, o: _varying_axes(jax.typeof(c)) | _varying_axes(o), carry, out)
     join = lambda tree: jax.tree.map(_make_varying, tree, axes)  # noqa: E731
+    # Arrays `fn` closes over ride in the loop as read-only operands.
+    fn, consts = jax.closure_convert(fn, carry)
 
     def body(loop: tuple) -> tuple:
-        again, value = loop
-        return jnp.logical_not(again), join(fn(value))
+        again, value, consts = loop
+        # The barrier ties every input of `fn` to the loop-carried flag: otherwise XLA
+        # would hoist work on loop-invariant inputs out of the loop and run it even
+        # when the loop runs zero times.
+        _, value_in, consts_in = lax.optimization_barrier((again, value, consts))
+        return jnp.logical_not(again), join(fn(value_in, *consts_in)), consts
 
-    _, result = lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), join(carry)))
-    return result
+    init = (jnp.asarray(pred), join(carry), consts)
+    return lax.while_loop(lambda loop: loop[0], body, init)[1]
 
 
 def zero_updates(inner: Any, updates: Any, inner_state: Any, params: Any, **extra_args: Any) -> Any:

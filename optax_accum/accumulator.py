@@ -163,11 +163,6 @@ def conditional_accumulator(
         fresh = step >= state.global_step
         finite = _common.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
         accepted = fresh & finite
-        accumulator = jax.tree.map(
-            lambda a, g: jnp.where(accepted, a + g.astype(a.dtype), a),
-            state.accumulator,
-            updates,
-        )
         arrived = jnp.stack([accepted, ~fresh, fresh & ~finite]).astype(jnp.int32)
         if axis_name is not None:
             _common.require_bound_axis(axis_name)
@@ -177,19 +172,30 @@ def conditional_accumulator(
         num_nonfinite = _common.saturating_add(state.num_nonfinite, arrived[2])
         emit = count >= required(state.global_step)
 
+        def accumulate(a: jax.Array, g: jax.Array) -> jax.Array:
+            return jnp.where(accepted, a + g.astype(a.dtype), a)
+
         def release(carry):
+            # The accumulator rides in the carry unchanged (a closed-over one would be
+            # copied into the loop); the sum fuses into the inner optimizer's pass.
             _, inner_state, accumulator = carry
-            total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
+            total = jax.tree.map(accumulate, accumulator, updates)
+            if axis_name is not None:
+                total = lax.psum(total, axis_name)
             if mean:
                 total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
             aggregate = optax.tree.cast_like(total, updates)
             new_updates, inner_state = inner.update(aggregate, inner_state, params, **extra_args)
-            return new_updates, inner_state, optax.tree.zeros_like(accumulator)
+            return new_updates, inner_state, accumulator
 
-        # Held: zeros, and the inner state and accumulator pass through in place.
+        # Held: zeros, and the inner state passes through in place.
         held = _common.zero_updates(inner, updates, state.inner_state, params, **extra_args)
         new_updates, inner_state, accumulator = _common.apply_if(
-            emit, release, (held, state.inner_state, accumulator)
+            emit, release, (held, state.inner_state, state.accumulator)
+        )
+        # One fused pass: the new sum when held, zeros after a release.
+        accumulator = jax.tree.map(
+            lambda a, g: jnp.where(emit, jnp.zeros_like(a), accumulate(a, g)), accumulator, updates
         )
         new_state = ConditionalAccumulatorState(
             global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
