@@ -21,6 +21,7 @@ import dataclasses
 import pathlib
 import pickle
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -134,6 +135,34 @@ def leaves(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 
 
+def attempt(fn: Callable[..., dict], *args: Any) -> dict:
+    """`fn(*args)`, or {"error": traceback} so one failing scenario spares the others."""
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def _continue(scenario: Scenario, checkpointer: Any, path: pathlib.Path, total: int) -> dict:
+    start = int(path.name.removeprefix("step_"))
+    params, state = scenario.init()
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        {"params": params, "state": state},
+    )
+    restored = checkpointer.restore(path.resolve(), target)
+    params, state = restored["params"], restored["state"]
+    devices = {len(x.sharding.device_set) for x in jax.tree.leaves(state)}
+    for i in range(start, total):
+        params, state = scenario.step(i, params, state)
+    return {
+        "restored": leaves(restored),
+        "final": leaves({"params": params, "state": state}),
+        "state_type": type(state).__name__,
+        "devices": sorted(devices),
+    }
+
+
 def main(argv: list[str]) -> None:
     import orbax.checkpoint as ocp
 
@@ -145,23 +174,7 @@ def main(argv: list[str]) -> None:
         if not saved:
             continue
         (path,) = saved
-        start = int(path.name.removeprefix("step_"))
-        params, state = scenario.init()
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            {"params": params, "state": state},
-        )
-        restored = checkpointer.restore(path.resolve(), target)
-        params, state = restored["params"], restored["state"]
-        devices = {len(x.sharding.device_set) for x in jax.tree.leaves(state)}
-        for i in range(start, total):
-            params, state = scenario.step(i, params, state)
-        results[name] = {
-            "restored": leaves(restored),
-            "final": leaves({"params": params, "state": state}),
-            "state_type": type(state).__name__,
-            "devices": sorted(devices),
-        }
+        results[name] = attempt(_continue, scenario, checkpointer, path, total)
     checkpointer.close()
     result_file.write_bytes(pickle.dumps(results))
 

@@ -3,9 +3,8 @@
 - linen: `optax_accum.TrainState.apply_gradients` forwards extra args (`local_step`) to
   the transform; params and optimizer state match the plain-optax harness run.
 - NNX: `nnx.Optimizer.update(model, grads, **extra_args)` forwards them already; the
-  model's params match the harness run. `nnx.Optimizer` applies updates with
-  `optax.apply_updates`, so a transform that emits `IndexedSlices` is followed by
-  `optax_accum.densify()` there.
+  model's params and the optimizer state match the harness run. Row-sparse cases use
+  the functional NNX loop instead (see that test for why).
 """
 
 from __future__ import annotations
@@ -70,13 +69,13 @@ def _expected_changes(case: Case, params: Any) -> None:
 
 
 class _CaseModel(nn.Module):
-    """A linen module whose only parameter is the case's parameter tree."""
+    """A linen module whose parameters are the case's (dict) parameter tree."""
 
     case: Case
 
     @nn.compact
     def __call__(self) -> Any:
-        return self.param("tree", lambda key: self.case.params())
+        return {k: self.param(k, lambda key, v=v: v) for k, v in self.case.params().items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -88,7 +87,7 @@ def test_linen_train_state_loop_matches_optax_loop(case):
         state = _stack(state)
 
     def step(state, grads, extra):
-        return state.apply_gradients(grads={"tree": grads}, **extra)
+        return state.apply_gradients(grads=grads, **extra)
 
     fn = _mapped(case, step)
     for i in range(STEPS):
@@ -98,10 +97,9 @@ def test_linen_train_state_loop_matches_optax_loop(case):
 
     want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
     assert int(state.step) == STEPS
-    _assert_trees_close(state.params["tree"], want_params)
-    # The linen state's param tree sits under "tree": same leaves, one level deeper.
-    _assert_trees_close(state.opt_state, want_state, same_structure=False)
-    _expected_changes(case, state.params["tree"])
+    _assert_trees_close(state.params, want_params)
+    _assert_trees_close(state.opt_state, want_state)
+    _expected_changes(case, state.params)
     # The loop's own apply_fn still sees the trained parameters.
     _assert_trees_close(state.apply_fn({"params": state.params}), want_params)
 
@@ -110,22 +108,25 @@ class _NNXModel(nnx.Module):
     """An NNX module holding the case's parameter tree as `nnx.Param`s."""
 
     def __init__(self, tree: Any):
-        is_slices = lambda x: isinstance(x, optax_accum.IndexedSlices)  # noqa: E731
-        self.tree = nnx.data(jax.tree.map(nnx.Param, tree, is_leaf=is_slices))
+        self.tree = nnx.data(jax.tree.map(nnx.Param, tree))
 
 
-def _nnx_tx(case: Case) -> optax.GradientTransformationExtraArgs:
-    tx = _make(case)
-    if case.apply_updates is not optax.apply_updates:
-        # nnx.Optimizer adds updates with optax.apply_updates: densify sparse ones first.
-        tx = optax.chain(tx, optax_accum.densify())
-    return tx
+def _name(case: Case) -> str:
+    return case.name
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def _sparse(case: Case) -> bool:
+    return case.apply_updates is not optax.apply_updates
+
+
+def _nnx_params(model: _NNXModel) -> Any:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))["tree"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not _sparse(c)], ids=_name)
 def test_nnx_optimizer_loop_matches_optax_loop(case):
     model = _NNXModel(case.params())
-    optimizer = nnx.Optimizer(model, _nnx_tx(case), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, _make(case), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     if case.needs_axis:
         state = _stack(state)
@@ -143,12 +144,49 @@ def test_nnx_optimizer_loop_matches_optax_loop(case):
     model, optimizer = nnx.merge(graphdef, state)
 
     want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
-    got_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))["tree"]
-    _assert_trees_close(got_params, want_params)
-    _expected_changes(case, got_params)
-    opt_state = nnx.as_pure(optimizer.opt_state)
-    assert int(optax_accum.global_step(opt_state)) == int(optax_accum.global_step(want_state))
+    _assert_trees_close(_nnx_params(model), want_params)
+    _expected_changes(case, _nnx_params(model))
+    # The same leaves as the harness's state; the params sit one level deeper ("tree").
+    _assert_trees_close(nnx.as_pure(optimizer.opt_state), want_state, same_structure=False)
     assert int(optimizer.step[...]) == STEPS
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _sparse(c)], ids=_name)
+def test_nnx_functional_loop_with_sparse_gradients_matches_optax_loop(case):
+    """Row-sparse gradients in NNX: the model's params as a pure dict, updated in place.
+
+    `nnx.Optimizer` cannot carry them: it turns gradients and optimizer state into
+    `nnx.State` trees, which neither keeps `IndexedSlices` leaves nor the sparse
+    accumulator's nested NamedTuples, and it adds updates with `optax.apply_updates`.
+    """
+    tx = _make(case)
+    model = _NNXModel(case.params())
+    graphdef, model_state = nnx.split(model)
+    opt_state = tx.init(_nnx_params(model))
+    state = (model_state, opt_state)
+    if case.needs_axis:
+        state = _stack(state)
+
+    def step(state, grads, extra):
+        model = nnx.merge(graphdef, state[0])
+        params = _nnx_params(model)
+        updates, opt_state = tx.update(grads, state[1], params, **extra)
+        new = nnx.state(model)
+        nnx.replace_by_pure_dict(new, {"tree": case.apply_updates(params, updates)})
+        nnx.update(model, new)
+        return nnx.state(model), opt_state
+
+    fn = _mapped(case, step)
+    for i in range(STEPS):
+        state = fn(state, _grads(case, i), case.extra_args(i))
+    if case.needs_axis:
+        state = _first(state)
+
+    want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
+    got = _nnx_params(nnx.merge(graphdef, state[0]))
+    _assert_trees_close(got, want_params)
+    _expected_changes(case, got)
+    _assert_trees_close(state[1], want_state)
 
 
 def test_train_state_field_keywords_replace_fields_and_others_reach_tx():
