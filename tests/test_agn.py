@@ -327,6 +327,70 @@ def test_model_averaging_delta_centre_is_mean_of_workers():
     )
 
 
+@pytest.mark.parametrize("commit", ["gradients", "delta"])
+def test_shard_map_init_inside_scan_keeps_types_and_branch_invariant(commit):
+    """Init inside shard_map from per-worker params; a scan carries the state.
+
+    The state's types must not change across `update` (scan rejects a carry whose
+    varying axes change), and the sync predicate must be replica-invariant, so every
+    worker takes the same branch around the pmean.
+    """
+    tx = optax_accum.agn(adam(0.1), PERIOD, axis_name="w", commit=commit)
+    a, b = _worker_problem()
+    predicate_types = []
+
+    def train(params, a, b):
+        params, a, b = params[0], a[0], b[0]
+
+        def body(carry, _):
+            params, state = carry
+            updates, state = tx.update(a * (params - b), state, params)
+            predicate_types.append(jax.typeof(state.emitted).manual_axis_type.varying)
+            return (optax.apply_updates(params, updates), state), None
+
+        (params, state), _ = jax.lax.scan(body, (params, tx.init(params)), length=2 * PERIOD)
+        return params[None], state.centre[None]  # varying: init copied the params
+
+    fn = jax.shard_map(train, mesh=_mesh(), in_specs=P("w"), out_specs=(P("w"), P("w")))
+    params = jnp.tile(jnp.linspace(-1.0, 1.0, DIM, dtype=jnp.float32), (WORKERS, 1))
+    params, centres = jax.jit(fn)(params, a, b)
+    centres = np.asarray(centres)
+    assert np.all(centres == centres[0])
+    np.testing.assert_allclose(np.asarray(params), centres, rtol=0, atol=1e-6)
+    assert predicate_types and all(not axes for axes in predicate_types)
+
+
+def test_nonfinite_gradient_on_one_worker_is_skipped_there_only():
+    inner, outer = NpSGD(0.1, 0.9), NpSGD(0.2)
+    tx = optax_accum.agn(inner.optax(), 2, axis_name="w", outer=outer.optax(), skip_nonfinite=True)
+    a, b = _worker_problem()
+    poisoned = (3, 1)  # worker 3's gradient at step 1 holds an Inf
+
+    def step(params, state, a, b, poison):
+        grads = jnp.where(poison, jnp.inf, a * (params - b))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0), axis_name="w"))
+    params = jnp.zeros((WORKERS, DIM), jnp.float32)
+    state = jax.vmap(tx.init)(params)
+    for t in range(4):
+        poison = jnp.asarray([(w, t) == poisoned for w in range(WORKERS)])[:, None]
+        params, state = step(params, state, a, b, poison)
+    expected = np_agn(
+        lambda w, t, p: None if (w, t) == poisoned else a[w] * (p - b[w]),
+        np.zeros(DIM),
+        2,
+        4,
+        inner,
+        outer,
+        workers=WORKERS,
+    )[-1][1]
+    np.testing.assert_allclose(np.asarray(state.centre[0]), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.num_nonfinite), np.eye(WORKERS)[3])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves((params, state)))
+
+
 # --------------------------------------------------------------------------- HLO
 
 
