@@ -1,0 +1,193 @@
+"""The data-parallel program that tests/test_multihost.py runs on 2 processes x 4 devices.
+
+`program()` trains on whatever devices `jax.devices()` lists (all processes' devices
+under `jax.distributed`) with a 1-D mesh axis "i", and returns every result as NumPy
+arrays on every process. Run as a script, it joins a 2-process `jax.distributed` job on
+127.0.0.1 with gloo CPU collectives and writes the results to an .npz file:
+
+    python tests/multihost_worker.py PROCESS_ID PORT OUT.npz
+
+The test runs the same `program()` in its own process on 8 devices and compares.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _cases import adam
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+GROUPS = [[0, 3, 5, 6], [1, 2, 4, 7]]
+STEPS = 4
+PER_REPLICA = 4  # examples per replica per step
+
+
+def _global(mesh: Mesh, data: np.ndarray, spec: P) -> jax.Array:
+    """A global array from the same host data on every process (each keeps its shards)."""
+    return jax.make_array_from_callback(data.shape, NamedSharding(mesh, spec), lambda i: data[i])
+
+
+def _to_numpy(tree: Any) -> Any:
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def _linear_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def _data(seed: int, n: int, d_in: int, d_out: int, classes: bool = False):
+    rng = np.random.default_rng(seed)
+    xs = rng.normal(size=(STEPS, n, d_in)).astype(np.float32)
+    if classes:
+        return xs, rng.integers(0, d_out, size=(STEPS, n)).astype(np.int32)
+    return xs, rng.normal(size=(STEPS, n, d_out)).astype(np.float32)
+
+
+def train_replicated(
+    mesh: Mesh, tx: Any, loss: Callable, params: Any, xs: np.ndarray, ys: np.ndarray, lags=None
+) -> Any:
+    """Replicated params; the state's specs come from `state_partition_specs`.
+
+    Each replica differentiates with respect to its own (varying) copy of the params,
+    so `update` sees the replica's own gradient. `lags[t, r]` tags replica r's
+    gradient at step t with `global_step - lag`.
+    """
+    tagged = lags is not None
+    lags = np.zeros((len(xs), mesh.shape["i"]), np.int32) if lags is None else lags
+    specs = optax_accum.state_partition_specs(tx, params, mesh)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    def body(params, state, x, y, lag):
+        mine = jax.lax.pcast(params, "i", to="varying")
+        grads = jax.grad(loss)(mine, x, y)
+        extra = {"local_step": optax_accum.global_step(state) - lag[0]} if tagged else {}
+        updates, state = tx.update(grads, state, mine, **extra)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), specs, P("i"), P("i"), P("i")),
+            out_specs=(P(), specs),
+        )
+    )
+    params = jax.tree.map(lambda a: _global(mesh, np.asarray(a), P()), params)
+    for x, y, lag in zip(xs, ys, lags, strict=True):
+        params, state = step(
+            params,
+            state,
+            _global(mesh, x, P("i")),
+            _global(mesh, y, P("i")),
+            _global(mesh, lag, P("i")),
+        )
+    return params, state
+
+
+def train_per_replica(mesh: Mesh, tx: Any, loss: Callable, params: Any, xs, ys) -> Any:
+    """Params and state stacked per replica (P("i")): for groups, whose params differ."""
+    n = mesh.shape["i"]
+
+    def first(t):
+        return jax.tree.map(lambda a: a[0], t)
+
+    def add(t):
+        return jax.tree.map(lambda a: a[None], t)
+
+    def body(params, state, x, y):
+        p = first(params)
+        updates, state = tx.update(jax.grad(loss)(p, x, y), first(state), p)
+        return add(optax.apply_updates(p, updates)), add(state)
+
+    spec = P("i")
+    init = jax.jit(
+        jax.shard_map(lambda p: add(tx.init(first(p))), mesh=mesh, in_specs=spec, out_specs=spec)
+    )
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+    params = jax.tree.map(lambda a: _global(mesh, np.stack([np.asarray(a)] * n), spec), params)
+    state = init(params)
+    for x, y in zip(xs, ys, strict=True):
+        params, state = step(params, state, _global(mesh, x, spec), _global(mesh, y, spec))
+    return params, state
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
+
+
+def program() -> dict[str, np.ndarray]:
+    """Every training run of the multi-host test, on a 1-D mesh over all devices."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    n = len(devices)
+    linear = {"w": jnp.zeros((5, 2)), "b": jnp.zeros(2)}
+    xs, ys = _data(0, n * PER_REPLICA, 5, 2)
+    results = {}
+
+    tx = optax_accum.cross_shard_optimizer(optax.sgd(0.1, momentum=0.9), "i")
+    params, _ = train_replicated(mesh, tx, _linear_loss, linear, xs, ys)
+    results["cross_shard"] = params
+
+    tx = optax_accum.cross_shard_optimizer(optax.sgd(0.1), "i", group_assignment=GROUPS)
+    params, _ = train_per_replica(mesh, tx, _linear_loss, linear, xs, ys)
+    results["cross_shard_groups"] = params
+
+    tx = optax_accum.conditional_accumulator(adam(0.05), num_required=n + 2, axis_name="i")
+    lags = np.zeros((STEPS, n), np.int32)
+    lags[1, -2:] = 1  # two stragglers a step behind: their gradients are dropped
+    lags[3, 0] = 1
+    params, state = train_replicated(mesh, tx, _linear_loss, linear, xs, ys, lags)
+    results["accumulator"] = params
+    results["accumulator_counters"] = {
+        "global_step": state.global_step,
+        "count": state.count,
+        "num_dropped": state.num_dropped,
+    }
+
+    model = MLP()
+    mlp = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+    cx, cy = _data(1, n * PER_REPLICA, 6, 3, classes=True)
+
+    def mlp_loss(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    tx = optax_accum.cross_shard_optimizer(adam(0.05), "i", pack=True)
+    params, _ = train_replicated(mesh, tx, mlp_loss, mlp, cx, cy)
+    results["flax_mlp"] = params
+    flat, _ = jax.tree_util.tree_flatten_with_path(_to_numpy(results))
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def main(argv: list[str]) -> None:
+    process_id, port, out = int(argv[1]), int(argv[2]), argv[3]
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    assert jax.process_count() == 2 and len(jax.local_devices()) == 4, jax.devices()
+    results = program()
+    np.savez(out, **results)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
