@@ -8,6 +8,7 @@ communication-saving local SGD (AGN), for one CPU and for a TPU pod alike.
 from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
 from optax_accum.agn import AGNState, agn
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
+from optax_accum.embedding import embedding_value_and_grad
 from optax_accum.flax_train_state import TrainState
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
@@ -42,6 +43,7 @@ __all__ = [
     "cross_shard_optimizer",
     "densify",
     "drop_stale_gradients",
+    "embedding_value_and_grad",
     "global_step",
     "has_updated",
     "num_accumulated",

@@ -260,7 +260,8 @@ def scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
     return target.at[slices.indices].add(values, mode="drop", wrap_negative_indices=False)
 
 
-def _check_against(param: Any, slices: IndexedSlices, where: str) -> None:
+def check_against(param: Any, slices: IndexedSlices, where: str) -> None:
+    """Trace-time check that `slices` is a valid sparse update of `param`."""
     check_indices(slices, what=where)
     shape = tuple(jnp.shape(param))
     rows, tail = slices.dense_shape[0], slices.dense_shape[1:]
@@ -304,7 +305,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
 
     def apply(path: Any, p: Any, u: Any) -> Any:
         if isinstance(u, IndexedSlices):
-            _check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
+            check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
             return scatter_add(jnp.asarray(p), u)
         return optax.apply_updates(p, u)
 
@@ -350,7 +351,7 @@ def densify() -> optax.GradientTransformationExtraArgs:
                 return u
             where = f"updates{jax.tree_util.keystr(path)}"
             if p is not None:
-                _check_against(p, u, where)
+                check_against(p, u, where)
                 return scatter_add(jnp.zeros(jnp.shape(p), u.values.dtype), u)
             check_indices(u, what=where)
             return u.to_dense()

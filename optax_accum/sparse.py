@@ -19,7 +19,12 @@ from jax import lax
 
 from optax_accum import _common
 from optax_accum.accumulator import NumRequired, _num_required_fn
-from optax_accum.indexed_slices import IndexedSlices, check_indices, is_indexed_slices
+from optax_accum.indexed_slices import (
+    IndexedSlices,
+    check_against,
+    is_indexed_slices,
+    scatter_add,
+)
 
 
 class RowBuffer(NamedTuple):
@@ -119,29 +124,25 @@ def _check_updates(updates: Any, accumulator: Any) -> None:
     flat, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_indexed_slices)
     for (path, u), a in zip(flat, jax.tree.leaves(accumulator, is_leaf=_is_buffer), strict=True):
         where = f"updates{jax.tree_util.keystr(path)}"
-        if _is_buffer(a):
-            _check_sparse_leaf(u, a, where)
-        elif isinstance(u, IndexedSlices):
+        if _is_buffer(a) and not isinstance(u, IndexedSlices):
             raise TypeError(
-                f"{where} is an IndexedSlices, but this leaf accumulates densely; mark it "
-                "sparse with the `sparse` argument, or densify it"
+                f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
+                f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
             )
+        if isinstance(u, IndexedSlices):
+            table = (a.slot_of.shape[0], *a.values.shape[1:]) if _is_buffer(a) else a.shape
+            check_against(jax.ShapeDtypeStruct(table, jnp.float32), u, where)
+            if not jnp.issubdtype(u.values.dtype, jnp.floating):
+                raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
         else:
             _common.check_tree_matches(u, a, what=where)
 
 
-def _check_sparse_leaf(u: Any, buf: RowBuffer, where: str) -> None:
-    if not isinstance(u, IndexedSlices):
-        raise TypeError(
-            f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
-            f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
-        )
-    check_indices(u, what=where)
-    table = (buf.slot_of.shape[0], *buf.values.shape[1:])
-    if u.dense_shape[1:] != table[1:] or u.dense_shape[0] not in (-1, table[0]):
-        raise ValueError(f"{where} must have dense_shape {table}, got {u.dense_shape}")
-    if not jnp.issubdtype(u.values.dtype, jnp.floating):
-        raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
+def _add_dense(accepted: jax.Array, accumulator: jax.Array, gradient: Any) -> jax.Array:
+    """A dense leaf's accumulation; an `IndexedSlices` gradient is scatter-added."""
+    if isinstance(gradient, IndexedSlices):
+        return jnp.where(accepted, scatter_add(accumulator, gradient), accumulator)
+    return _common.add_where(accepted, accumulator, gradient)
 
 
 # --------------------------------------------------------------------------- row buffers
@@ -282,7 +283,8 @@ def sparse_conditional_accumulator(
     exceed it in any leaf is rejected whole and counted in `num_overflowed`, never cut.
     The release is an `IndexedSlices` with sorted, unique row ids, padded to `capacity`
     with the id `rows`. Dense leaves in the same tree accumulate exactly as in
-    `conditional_accumulator`.
+    `conditional_accumulator`; an `IndexedSlices` offered to a dense leaf (a small
+    embedding table, say) is scatter-added there and then treated as dense.
 
     `inner` sees the released tree: use `sparse_sgd` to update only the touched rows, or
     `optax.chain(densify(), any_optimizer)` for a dense optimizer (which then does
@@ -401,7 +403,7 @@ def sparse_conditional_accumulator(
         for i, buf in zip(sparse_at, buffers, strict=True):
             accs[i] = buf
         accs = [
-            a if _is_buffer(a) else _common.add_where(accepted, a, g)
+            a if _is_buffer(a) else _add_dense(accepted, a, g)
             for a, g in zip(accs, grads, strict=True)
         ]
         accumulator = jax.tree.unflatten(
@@ -417,7 +419,8 @@ def sparse_conditional_accumulator(
             def leaf(a, g):
                 if _is_buffer(a):
                     return _release_rows(a, mean, g)
-                return _common.reduce_dense(a, count if mean else None, g, axis_name)
+                like = g.values if isinstance(g, IndexedSlices) else g
+                return _common.reduce_dense(a, count if mean else None, like, axis_name)
 
             return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_buffer)
 
