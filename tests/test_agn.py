@@ -255,19 +255,15 @@ def _mesh():
     return jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def _state_specs(tx):
+    """The state's PartitionSpecs: per-worker fields over w, the centre replicated."""
+    return optax_accum.state_partition_specs(tx, jnp.zeros((1, DIM)), _mesh(), param_axes=("w",))
+
+
 def _shard_map_step(tx):
-    """One AGN step under shard_map; the state's per-worker fields are sharded over w."""
-    per_worker = P("w")
-    specs = optax_accum.AGNState(
-        global_step=P(),
-        count=P(),
-        num_nonfinite=P(),
-        emitted=P(),
-        accumulator=per_worker,
-        centre=P(),
-        inner_state=per_worker,
-        outer_state=P(),
-    )
+    """One AGN step under shard_map; each worker's params are a (1, DIM) block."""
+    per_worker, specs = P("w"), _state_specs(tx)
+    assert specs.centre == P() and specs.global_step == P()
 
     def step(params, state, a, b):
         updates, state = tx.update(a * (params - b), state, params)
@@ -284,10 +280,9 @@ def _shard_map_step(tx):
 
 
 def _shard_map_init(tx, p0):
-    """Init from one worker's params (shape (1, DIM)); per-worker fields tiled."""
-    state = tx.init(p0)
-    tile = lambda t: jax.tree.map(lambda x: jnp.tile(x, (WORKERS, 1)), t)  # noqa: E731
-    return state._replace(accumulator=tile(state.accumulator), inner_state=tile(state.inner_state))
+    """Init from the shared initial params p0 (shape (1, DIM)), as the specs say."""
+    init = jax.shard_map(tx.init, mesh=_mesh(), in_specs=P(), out_specs=_state_specs(tx))
+    return jax.jit(init)(p0)
 
 
 @pytest.mark.parametrize("commit,inner,outer", MULTI, ids=[m[0] for m in MULTI])
