@@ -82,7 +82,10 @@ def agn(
     Only sync steps communicate: the `pmean` sits inside a `lax.cond` whose predicate
     is the step counter, the same on every replica, so the other steps compile to no
     collective at all. Initialise every replica from the same params (TF's
-    `get_init_op`), so that they start from, and keep, the same centre.
+    `get_init_op`), so that they start from, and keep, the same centre. Under
+    `jax.shard_map`, `state_partition_specs(tx, params, mesh, param_axes=(axis,))`
+    gives the state's specs: the accumulator and `inner_state` are per worker, the
+    centre, `outer_state` and the counters are replicated.
 
     Two commits are offered:
 
