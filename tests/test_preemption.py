@@ -1,0 +1,155 @@
+"""Training survives SIGKILL: restarted from its Orbax checkpoint, it ends bit-identical.
+
+One real subprocess (tests/preemption_worker.py) trains every Case of tests/_cases.py,
+checkpointing params and optimizer state with Orbax after each step. The test kills it
+with SIGKILL at seeded random steps after a checkpoint, once while it waits and once
+while it is running the next step (possibly mid checkpoint write), restarts it each
+time, and lets it finish. Every case's final params and state must be bit-identical
+to an uninterrupted run of the same steps (which the first process runs before
+training). Every wait on the subprocess is bounded, and it is killed in `finally`.
+
+The worker processes share a persistent XLA compilation cache in the test's temporary
+directory, so a restart does not recompile what the first process compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+
+import jax
+import pytest
+from _cases import CASE_IDS
+
+TOTAL = 8
+SEED = 20261122
+WAIT = 240.0  # seconds: the bound on any line from the worker (the first one compiles)
+WORKER = pathlib.Path(__file__).with_name("preemption_worker.py")
+
+
+def _kill_plan() -> dict[int, str]:
+    """Checkpoint step -> where the kill lands: "waiting", or "running" the next step."""
+    first, second = sorted(random.Random(SEED).sample(range(1, TOTAL - 1), 2))
+    return {first: "waiting", second: "running"}
+
+
+class _Worker:
+    """One worker process whose stdout lines are read with a bounded wait."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), *args],
+            cwd=WORKER.parent,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def next_line(self) -> str:
+        try:
+            line = self.lines.get(timeout=WAIT)
+        except queue.Empty:
+            raise AssertionError(f"worker silent for {WAIT} s") from None
+        if line is None:
+            self.proc.wait(timeout=WAIT)
+            raise AssertionError(f"worker exited {self.proc.returncode}: {self.stderr()}")
+        return line
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=WAIT)
+
+    def stderr(self) -> str:
+        return self.proc.stderr.read()[-4000:] if self.proc.poll() is not None else ""
+
+
+@pytest.fixture(scope="module")
+def preempted_run(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("preemption")
+    env = {
+        **os.environ,
+        "JAX_NUM_CPU_DEVICES": str(jax.device_count()),
+        "JAX_NUMPY_DTYPE_PROMOTION": jax.config.jax_numpy_dtype_promotion,
+        "JAX_COMPILATION_CACHE_DIR": str(root / "xla_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    args = [str(root / "checkpoints"), str(root), str(TOTAL)]
+    plan = _kill_plan()
+    restored, killed = [], []
+    worker = None
+    try:
+        for _ in range(len(plan) + 1):
+            worker = _Worker(args, env)
+            line = worker.next_line()
+            assert line.startswith("restored "), line
+            restored.append(int(line.split()[1]))
+            while (line := worker.next_line()) != "done":
+                step = int(line.removeprefix("saved "))
+                if step in plan and step not in killed:
+                    if plan[step] == "running":
+                        worker.send("go")
+                    worker.kill()
+                    assert worker.proc.returncode == -signal.SIGKILL
+                    killed.append(step)
+                    break
+                worker.send("go")
+            else:
+                worker.proc.wait(timeout=WAIT)
+                assert worker.proc.returncode == 0, worker.stderr()
+                break
+    finally:
+        if worker is not None:
+            worker.kill()
+    return {
+        "plan": plan,
+        "killed": killed,
+        "restored": restored,
+        "reference": pickle.loads((root / "reference.pkl").read_bytes()),
+        "final": pickle.loads((root / "final.pkl").read_bytes()),
+    }
+
+
+def test_killed_at_every_planned_step_and_restarted_from_a_checkpoint(preempted_run):
+    plan, killed, restored = (
+        preempted_run["plan"],
+        preempted_run["killed"],
+        preempted_run["restored"],
+    )
+    assert killed == sorted(plan)
+    assert restored[0] == 0 and len(restored) == len(plan) + 1
+    for step, resumed in zip(killed, restored[1:], strict=True):
+        # Killed while waiting: resumes exactly there. Killed while running the next
+        # step: resumes there or one later, if that checkpoint was complete.
+        assert resumed == step if plan[step] == "waiting" else resumed in (step, step + 1)
+
+
+@pytest.mark.parametrize("name", CASE_IDS)
+def test_final_params_and_state_bit_identical_to_an_uninterrupted_run(preempted_run, name):
+    want, got = preempted_run["reference"][name], preempted_run["final"][name]
+    assert got.keys() == want.keys()
+    assert any("params" in key for key in want)
+    for key in want:
+        assert (got[key].dtype, got[key].shape) == (want[key].dtype, want[key].shape), key
+        assert got[key].tobytes() == want[key].tobytes(), f"{name}{key}: {got[key]} != {want[key]}"
