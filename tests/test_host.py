@@ -1,0 +1,338 @@
+"""Threads and the host accumulators: blocking takes, FIFO, timeouts, cancellation,
+shared_name, and a stress test.
+
+Every wait is bounded: futures and joins have timeouts, and `wait_until` polls a
+condition for at most WAIT seconds, so a bug fails instead of hanging. No assertion
+depends on timing: each checks an outcome that every interleaving must produce.
+"""
+
+import concurrent.futures
+import contextlib
+import gc
+import random
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import optax_accum
+
+WAIT = 20.0  # seconds: the bound on any wait that should finish promptly
+
+
+@pytest.fixture
+def pool():
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as executor:
+        yield executor
+
+
+def wait_until(predicate):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def dense(reduction="MEAN", **kwargs):
+    return optax_accum.ConditionalAccumulator(
+        np.float32, shape=(), reduction_type=reduction, **kwargs
+    )
+
+
+def sparse(reduction="MEAN", **kwargs):
+    return optax_accum.SparseConditionalAccumulator(
+        np.float32, shape=(2, 2), reduction_type=reduction, **kwargs
+    )
+
+
+def row_grad(x):
+    """The sparse gradient diag(x, x) as rows {0: [x, 0], 1: [0, x]}."""
+    return [0, 1], f32([[x, 0], [0, x]])
+
+
+# --------------------------------------------------------------------------- SEMANTICS vectors
+
+
+@pytest.mark.parametrize("reduction", ["MEAN", "SUM"])
+def test_parallel_applies_dense(pool, reduction):
+    acc = dense(reduction)
+    barrier = threading.Barrier(10, timeout=WAIT)
+
+    def worker(x):
+        barrier.wait()
+        return acc.apply_grad(f32(x))
+
+    futures = [pool.submit(worker, x) for x in range(10, 101, 10)]
+    assert all(f.result(timeout=WAIT) for f in futures)
+    assert float(acc.take_grad(1, timeout=WAIT)) == (55.0 if reduction == "MEAN" else 550.0)
+
+
+@pytest.mark.parametrize("reduction", ["MEAN", "SUM"])
+def test_parallel_applies_sparse(pool, reduction):
+    acc = sparse(reduction)
+    barrier = threading.Barrier(10, timeout=WAIT)
+
+    def worker(x):
+        barrier.wait()
+        return acc.apply_grad(*row_grad(x))
+
+    futures = [pool.submit(worker, x) for x in range(10, 101, 10)]
+    assert all(f.result(timeout=WAIT) for f in futures)
+    indices, values, shape = acc.take_grad(1, timeout=WAIT)
+    x = 55.0 if reduction == "MEAN" else 550.0
+    assert np.asarray(indices).tolist() == [0, 1]
+    np.testing.assert_array_equal(values, [[x, 0], [0, x]])
+    assert shape == (2, 2)
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_concurrent_takes_against_sequential_applies(pool, make):
+    acc = make()
+    futures = [pool.submit(acc.take_grad, 1, WAIT) for _ in range(10)]
+    wait_until(lambda: acc.num_waiting_takes() == 10)
+    for e in range(10):  # gradient e computed at step e: each completes one take
+        if make is dense:
+            assert acc.apply_grad(f32(e), local_step=e)
+        else:
+            assert acc.apply_grad([1], f32([[e, e]]), local_step=e)
+    results = [f.result(timeout=WAIT) for f in futures]
+    if make is dense:
+        got = sorted(float(r) for r in results)
+    else:
+        got = sorted(float(values[0, 0]) for _, values, _ in results)
+    assert got == list(range(10))
+    assert acc.global_step == 10
+
+
+def test_blocking_take_released_by_applies_dense(pool):
+    acc = dense()
+    future = pool.submit(acc.take_grad, 3, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    acc.apply_grad(f32(10))
+    acc.apply_grad(f32(20))
+    assert not future.done() and acc.num_accumulated() == 2  # two of three: still waiting
+    acc.apply_grad(f32(30))
+    # The take fired inside that apply: the step has moved before the taker wakes.
+    assert acc.global_step == 1 and acc.num_accumulated() == 0
+    assert not acc.apply_grad(f32(99), local_step=0)
+    assert float(future.result(timeout=WAIT)) == 20.0
+
+
+def test_blocking_take_released_by_applies_sparse(pool):
+    acc = sparse()
+    future = pool.submit(acc.take_grad, 3, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    for x in (10, 20, 30):
+        assert not future.done()
+        acc.apply_grad([0], f32([[0, x]]))
+    indices, values, _ = future.result(timeout=WAIT)
+    assert np.asarray(indices).tolist() == [0]
+    np.testing.assert_array_equal(values, [[0, 20]])
+
+
+# --------------------------------------------------------------------------- FIFO
+
+
+def test_head_of_line_blocking(pool):
+    acc = dense("SUM")
+    first = pool.submit(acc.take_grad, 3, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    second = pool.submit(acc.take_grad, 1, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 2)
+    acc.apply_grad(f32(1))  # enough for the later take(1), which must still wait
+    assert acc.num_waiting_takes() == 2 and acc.num_accumulated() == 1
+    assert not first.done() and not second.done()
+    acc.apply_grad(f32(2))
+    acc.apply_grad(f32(3))
+    assert float(first.result(timeout=WAIT)) == 6.0
+    assert not second.done() and acc.num_waiting_takes() == 1
+    acc.apply_grad(f32(7), local_step=1)
+    assert float(second.result(timeout=WAIT)) == 7.0
+    assert acc.global_step == 2
+
+
+def test_timed_out_head_lets_the_next_take_through(pool):
+    # Whatever the interleaving, take(1) gets the one gradient and take(3) times out.
+    acc = dense()
+    head = pool.submit(acc.take_grad, 3, 0.3)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    behind = pool.submit(acc.take_grad, 1, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 2 or head.done())
+    acc.apply_grad(f32(5))
+    assert isinstance(head.exception(timeout=WAIT), TimeoutError)
+    assert float(behind.result(timeout=WAIT)) == 5.0
+    assert acc.global_step == 1 and acc.num_waiting_takes() == 0
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_timeout_leaves_no_trace(make):
+    acc = make()
+
+    def apply(step=0):
+        if make is dense:
+            return acc.apply_grad(f32(4), local_step=step)
+        return acc.apply_grad([1], f32([[4, 4]]), local_step=step)
+
+    apply()
+    with pytest.raises(TimeoutError, match=r"take_grad\(2\) timed out"):
+        acc.take_grad(2, timeout=0.05)
+    assert (acc.global_step, acc.num_accumulated(), acc.num_waiting_takes()) == (0, 1, 0)
+    apply()
+    apply()  # the abandoned take(2) must not have consumed these
+    assert (acc.global_step, acc.num_accumulated()) == (0, 3)
+    out = acc.take_grad(3, timeout=0)
+    first = float(out) if make is dense else float(out[1][0, 0])
+    assert first == 4.0 and acc.global_step == 1
+
+
+def test_timeout_zero_and_bad_timeouts():
+    acc = dense()
+    with pytest.raises(TimeoutError):
+        acc.take_grad(1, timeout=0)
+    acc.apply_grad(f32(2))
+    for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]:
+        with pytest.raises(error, match="timeout must be None or"):
+            acc.take_grad(1, timeout=bad)
+    for bad, error in [(1.5, TypeError), (True, TypeError), (0, ValueError)]:
+        with pytest.raises(error, match="num_required must be"):
+            acc.take_grad(bad, timeout=0)
+    assert (acc.num_accumulated(), acc.num_waiting_takes()) == (1, 0)
+    assert float(acc.take_grad(1, timeout=0)) == 2.0
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_cancel_waiting_takes(pool, make):
+    acc = make()
+    if make is dense:
+        acc.apply_grad(f32(3))
+    else:
+        acc.apply_grad([0], f32([[3, 3]]))
+    futures = [pool.submit(acc.take_grad, 5, WAIT) for _ in range(3)]
+    wait_until(lambda: acc.num_waiting_takes() == 3)
+    assert acc.cancel_waiting_takes() == 3
+    for f in futures:
+        error = f.exception(timeout=WAIT)
+        assert isinstance(error, concurrent.futures.CancelledError)
+        assert "cancelled while waiting" in str(error)
+    assert (acc.num_waiting_takes(), acc.num_accumulated(), acc.global_step) == (0, 1, 0)
+    assert acc.cancel_waiting_takes() == 0
+    out = acc.take_grad(1, timeout=WAIT)  # still usable, the gradient still there
+    assert float(out if make is dense else out[1][0, 0]) == 3.0
+
+
+# --------------------------------------------------------------------------- shared_name
+
+
+def test_shared_name_shares_one_accumulator(pool):
+    name = f"shared-{uuid.uuid4()}"
+    learner = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), shared_name=name)
+    actor = optax_accum.ConditionalAccumulator(
+        "float32", shape=[2], shared_name=name, name="actor", reduction_type="mean"
+    )
+    assert actor.accumulator_ref is learner.accumulator_ref
+    assert actor.name == "actor" and learner.name == "conditional_accumulator"
+    future = pool.submit(learner.take_grad, 2, WAIT)
+    wait_until(lambda: actor.num_waiting_takes() == 1)
+    actor.apply_grad(f32([1, 2]))
+    actor.apply_grad(f32([3, 4]))
+    np.testing.assert_array_equal(future.result(timeout=WAIT), [2, 3])
+    assert actor.global_step == learner.global_step == 1
+    alone = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), shared_name="")
+    assert alone.accumulator_ref is not learner.accumulator_ref
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (optax_accum.ConditionalAccumulator, {"dtype": np.float64}),
+        (optax_accum.ConditionalAccumulator, {"shape": (3,)}),
+        (optax_accum.ConditionalAccumulator, {"shape": None}),
+        (optax_accum.ConditionalAccumulator, {"reduction_type": "SUM"}),
+        (optax_accum.ConditionalAccumulator, {"skip_nonfinite": True}),
+        (optax_accum.SparseConditionalAccumulator, {}),
+    ],
+)
+def test_shared_name_mismatch(cls, kwargs):
+    name = f"shared-{uuid.uuid4()}"
+    first = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), shared_name=name)
+    first.apply_grad(f32([1, 1]))
+    args = {"dtype": np.float32, "shape": (2,), **kwargs}
+    with pytest.raises(ValueError, match=f"shared_name '{name}' is already used by a "):
+        cls(shared_name=name, **args)
+    assert first.num_accumulated() == 1
+
+
+def test_shared_name_is_released_with_its_last_object():
+    name = f"shared-{uuid.uuid4()}"
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), shared_name=name)
+    acc.apply_grad(f32([1, 1]))
+    del acc
+    gc.collect()
+    fresh = optax_accum.ConditionalAccumulator(np.float64, shared_name=name)
+    assert fresh.num_accumulated() == 0
+
+
+# --------------------------------------------------------------------------- stress
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_stress_nothing_lost(pool, make):
+    """8 threads x 200 applies while a taker takes with random sizes and timeouts.
+
+    SUM of integer-valued floats is exact, so the takes plus the remainder must add
+    up to exactly what was applied, and the step must count the takes.
+    """
+    threads, applies = 8, 200
+    acc = make("SUM")
+    is_dense = make is dense
+
+    def worker(seed):
+        rng = random.Random(seed)
+        total = 0
+        for _ in range(applies):
+            x = rng.randint(1, 9)
+            total += x
+            # A far-future step: never stale, however the takes advance the step.
+            if is_dense:
+                assert acc.apply_grad(f32(x), local_step=10**9)
+            else:
+                assert acc.apply_grad([1, 0], f32([[1, 0], [x, 1]]), local_step=10**9)
+        return total
+
+    stop = threading.Event()
+
+    def taker():
+        rng = random.Random(0)
+        taken = []
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                taken.append(acc.take_grad(rng.randint(1, 16), timeout=rng.choice([0, 0.002])))
+        return taken
+
+    taker_future = pool.submit(taker)
+    totals = [pool.submit(worker, s) for s in range(threads)]
+    expected = sum(f.result(timeout=WAIT * 3) for f in totals)
+    stop.set()
+    taken = taker_future.result(timeout=WAIT)
+    if acc.num_accumulated():
+        taken.append(acc.take_grad(acc.num_accumulated(), timeout=WAIT))
+    if is_dense:
+        got = sum(float(t) for t in taken)
+    else:  # row 0 carries [x, 1]: its sums are the total and the number of applies
+        sums = np.sum([np.asarray(v)[list(np.asarray(i)).index(0)] for i, v, _ in taken], 0)
+        got = float(sums[0])
+        assert int(sums[1]) == threads * applies
+    assert got == expected
+    assert acc.global_step == len(taken) and acc.num_accumulated() == 0
