@@ -1,0 +1,309 @@
+"""Tests for the host SparseConditionalAccumulator: TF's vectors, validation in TF's
+order, dense meaning of duplicates, growth and bucketing, and a reference model.
+
+Threaded sparse vectors are in test_host.py. Every take has a timeout.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optax_accum
+from optax_accum import host
+
+T = 10.0
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def take(acc, n=1):
+    indices, values, shape = acc.take_grad(n, timeout=T)
+    assert indices.dtype == jnp.int32 and values.dtype == acc.dtype
+    return np.asarray(indices).tolist(), np.asarray(values), shape
+
+
+def state(acc):
+    return acc.global_step, acc.num_accumulated(), acc.num_dropped, acc.num_nonfinite
+
+
+# --------------------------------------------------------------------------- SEMANTICS §2 vectors
+
+
+@pytest.mark.parametrize(
+    ("reduction", "want"),
+    [("MEAN", [[0.5, 0.5], [0, 2], [3, 0]]), ("SUM", [[1, 1], [0, 2], [3, 0]])],
+)
+def test_per_row_mean_and_sum(reduction, want):
+    acc = optax_accum.SparseConditionalAccumulator(
+        np.float32, shape=(3, 2), reduction_type=reduction
+    )
+    acc.apply_grad([0, 1], f32([[1, 0], [0, 2]]))
+    acc.apply_grad([0, 2], f32([[0, 1], [3, 0]]))
+    indices, values, shape = take(acc)
+    assert indices == [0, 1, 2] and shape == (3, 2)
+    np.testing.assert_array_equal(values, want)
+    acc.apply_grad([0, 1], f32([[10, 0], [0, 20]]), local_step=1)
+    acc.apply_grad([0, 2], f32([[0, 10], [30, 0]]), local_step=1)
+    indices, values, _ = take(acc)
+    scale = 1 if reduction == "MEAN" else 2
+    np.testing.assert_array_equal(
+        values, np.array([[5, 5], [0, 20], [30, 0]]) * [[scale], [1], [1]]
+    )
+
+
+def test_rows_divided_by_their_own_count():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(None, 2))
+    acc.apply_grad([0, 1], f32([[3, 3], [6, 6]]))
+    acc.apply_grad([1], f32([[3, 3]]))
+    acc.apply_grad([1, 3], f32([[0, 0], [9, 9]]))
+    indices, values, shape = take(acc)
+    assert indices == [0, 1, 3] and shape == (-1, 2)  # dim 0 unknown: -1, as TF
+    np.testing.assert_array_equal(values, [[3, 3], [3, 3], [9, 9]])
+
+
+def test_validation_vector_shape_2_2_none():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(2, 2, None))
+    ones = np.ones((1, 2, 2), np.float32)
+    with pytest.raises(ValueError, match="grad_shape must have rank at least 3"):
+        acc.apply_grad([0], ones, grad_shape=[2, 2])
+    with pytest.raises(ValueError, match=r"grad_shape dim 1 must be 2.*got 3"):
+        acc.apply_grad([0], ones, grad_shape=[2, 3, 2])
+    with pytest.raises(ValueError, match=r"grad_indices\[0\] = 3 exceeds .*shape\[0\] = 2"):
+        acc.apply_grad([3], ones)
+    with pytest.raises(ValueError, match="grad_values must have rank at least 3"):
+        acc.apply_grad([0, 1], np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"grad_values dim 1 must be 2.*got 3"):
+        acc.apply_grad([0], np.ones((1, 3, 2), np.float32))
+    assert state(acc) == (0, 0, 0, 0)
+    assert acc.apply_grad([0], np.ones((1, 2, 2, 2), np.float32))
+    for bad in [(1, 2, 2), (1, 2, 2, 3)]:  # fixed by the first gradient until the next take
+        with pytest.raises(ValueError, match="fixed by the first gradient since the last take"):
+            acc.apply_grad([1], np.ones(bad, np.float32))
+    assert state(acc) == (0, 1, 0, 0)
+    _, values, shape = take(acc)
+    assert values.shape == (1, 2, 2, 2) and shape == (2, 2, 2, 2)
+    assert acc.apply_grad([1], ones, local_step=1)  # a new take: [1, 2, 2] is fine now
+
+
+@pytest.mark.parametrize(
+    ("indices", "values", "error", "match"),
+    [
+        (np.array([[0], [1]]), f32(np.ones((2, 2))), ValueError, r"vector, got shape \[2, 1\]"),
+        ([0.0, 1.0], f32(np.ones((2, 2))), TypeError, "grad_indices must be integers"),
+        ([0], np.float32(1), ValueError, "cannot be 0-dimensional"),
+        ([0, 1], f32(np.ones((1, 2))), ValueError, "expected 2 rows.*got 1"),
+        ([0, -1], f32(np.ones((2, 2))), ValueError, r"grad_indices\[1\] = -1 is negative"),
+        ([0], np.ones((1, 2), np.float64), TypeError, "dtype float32, got float64"),
+        ([0], np.ones((1, 2), np.int32), TypeError, "dtype float32, got int32"),
+    ],
+)
+def test_rejected_gradients_change_nothing(indices, values, error, match):
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+    acc.apply_grad([2], f32([[1, 2]]))
+    acc.set_global_step(1)  # stale or not, every gradient is validated
+    for step in (0, 1):
+        with pytest.raises(error, match=match):
+            acc.apply_grad(indices, values, local_step=step)
+    assert state(acc) == (1, 1, 0, 0)
+    indices_out, values_out, _ = take(acc)
+    assert indices_out == [2]
+    np.testing.assert_array_equal(values_out, [[1, 2]])
+
+
+def test_grad_shape_limits_indices_too():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32)
+    with pytest.raises(ValueError, match=r"grad_indices\[0\] = 5 exceeds grad_shape\[0\] = 3"):
+        acc.apply_grad([5], f32([[1]]), grad_shape=(3, 1))
+    assert acc.apply_grad([5], f32([[1]]), grad_shape=())  # empty: no shape given
+
+
+def test_empty_gradient_counts():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(3, 2))
+    assert acc.apply_grad(np.zeros(0, np.int64), np.zeros((0, 2), np.float32))
+    assert acc.num_accumulated() == 1
+    indices, values, shape = take(acc)
+    assert indices == [] and values.shape == (0, 2) and shape == (3, 2)
+    acc.apply_grad([], np.zeros((0, 2), np.float32), local_step=1)
+    acc.apply_grad([1], f32([[4, 4]]), local_step=1)
+    indices, values, _ = take(acc)
+    assert indices == [1]
+    np.testing.assert_array_equal(values, [[4, 4]])  # touched once: divided by 1
+
+
+def test_duplicates_and_unsorted_input_mean_their_dense_tensor():
+    # TF keeps [2, 0] then [0, 2] as three rows [0, 2, 0]; a gradient here means its
+    # dense tensor: rows summed per index, counted once, answers sorted and unique.
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(3, 1))
+    acc.apply_grad([2, 0], f32([[1], [2]]))
+    acc.apply_grad([0, 2, 0], f32([[3], [4], [5]]))
+    indices, values, _ = take(acc)
+    assert indices == [0, 2]
+    np.testing.assert_array_equal(values, [[(2 + 3 + 5) / 2], [(1 + 4) / 2]])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_dtypes(dtype):
+    acc = optax_accum.SparseConditionalAccumulator(dtype, shape=(2, 1))
+    for i in range(10):
+        acc.apply_grad([1], [[float(i)]])
+    indices, values, _ = take(acc)
+    assert indices == [1] and values.dtype == jnp.dtype(dtype)
+    assert float(values[0, 0]) == 4.5
+
+
+def test_jax_inputs_and_indexed_slices():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(5, 2))
+    acc.apply_grad(jnp.array([4, 1, 4]), jnp.ones((3, 2)), grad_shape=(5, 2))
+    padded = optax_accum.IndexedSlices(jnp.array([1, 5, 5]), jnp.full((3, 2), 2.0), (5, 2))
+    assert acc.apply_indexed_slices_grad(padded)  # index 5 is the padding: ignored
+    out = acc.take_indexed_slices_grad(2, timeout=T)
+    assert isinstance(out, optax_accum.IndexedSlices) and out.dense_shape == (5, 2)
+    assert np.asarray(out.indices).tolist() == [1, 4]
+    np.testing.assert_array_equal(out.values, [[1.5, 1.5], [2, 2]])
+    with pytest.raises(TypeError, match=r"grad must be an optax_accum\.IndexedSlices"):
+        acc.apply_indexed_slices_grad((jnp.array([0]), jnp.ones((1, 2))))
+    wrong = optax_accum.IndexedSlices(jnp.array([6]), jnp.ones((1, 2)), (7, 2))
+    with pytest.raises(ValueError, match="grad_shape dim 0 must be 5"):
+        acc.apply_indexed_slices_grad(wrong, local_step=1)
+    assert state(acc) == (1, 0, 0, 0)
+
+
+def test_skip_nonfinite():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(3, 1), skip_nonfinite=True)
+    assert acc.apply_grad([0], f32([[2]]))
+    assert not acc.apply_grad([1], f32([[np.nan]]))
+    assert not acc.apply_grad([0], f32([[1]]), local_step=-1)
+    assert state(acc) == (0, 1, 1, 1)
+    indices, values, _ = take(acc)
+    assert indices == [0] and values.tolist() == [[2.0]]
+
+
+# --------------------------------------------------------------------------- growth and compiles
+
+
+def test_grows_past_any_capacity():
+    acc = optax_accum.SparseConditionalAccumulator(
+        np.float32, shape=(None, 3), reduction_type="sum"
+    )
+    rng = np.random.default_rng(0)
+    want = {}
+    for _ in range(6):  # about 30 new rows each time: the buffer grows 8 -> ... -> 256
+        rows = rng.integers(0, 200, size=30)
+        vals = rng.integers(-5, 5, size=(30, 3)).astype(np.float32)
+        acc.apply_grad(rows, vals)
+        for r, v in zip(rows, vals, strict=True):
+            want[int(r)] = want.get(int(r), 0) + v
+    indices, values, _ = take(acc)
+    assert indices == sorted(want)
+    np.testing.assert_array_equal(values, [want[r] for r in indices])
+
+
+def _sparse_cache_sizes():
+    kernels = (host._scatter_add, host._grow, host._gather_in_place, host._gather_copy)
+    return [k._cache_size() for k in kernels]
+
+
+def test_compilations_depend_only_on_size_buckets():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(64, 2))
+    everything = (np.arange(64), np.ones((64, 2), np.float32))
+
+    def run(step, sizes):
+        acc.apply_grad(*everything, local_step=step)  # capacity 64 from the start
+        for n in sizes:
+            acc.apply_grad(np.arange(n)[::-1], np.ones((n, 2), np.float32), local_step=step)
+        take(acc)
+
+    run(0, range(1, 41, 2))  # every bucket of sizes up to 64 met once
+    before = _sparse_cache_sizes()
+    run(1, range(2, 41, 2))  # twenty new sizes, no new bucket
+    assert _sparse_cache_sizes() == before
+
+
+# --------------------------------------------------------------------------- reference model
+
+
+class SparseModel:
+    """TF's rules with the dense meaning of each gradient, in pure Python (float64)."""
+
+    def __init__(self, mean):
+        self.mean, self.step, self.count, self.rows = mean, 0, 0, {}
+
+    def apply(self, indices, values, local_step):
+        if local_step < self.step:
+            return False
+        touched = {}
+        for i, v in zip(indices, values, strict=True):
+            touched[i] = touched.get(i, 0.0) + np.float64(v)
+        for i, v in touched.items():
+            total, n = self.rows.get(i, (np.zeros(2), 0))
+            self.rows[i] = (total + v, n + 1)
+        self.count += 1
+        return True
+
+    def take(self, n):
+        if self.count < n:
+            return None
+        keys = sorted(self.rows)
+        values = [self.rows[k][0] / (self.rows[k][1] if self.mean else 1) for k in keys]
+        self.step, self.count, self.rows = self.step + 1, 0, {}
+        return keys, np.array(values).reshape(-1, 2)
+
+
+ops = st.one_of(
+    st.tuples(
+        st.just("apply"),
+        st.lists(st.tuples(st.integers(0, 20), st.integers(-6, 6)), max_size=12),
+        st.integers(0, 4),
+    ),
+    st.tuples(st.just("take"), st.integers(1, 3)),
+    st.tuples(st.just("set"), st.integers(0, 4)),
+    st.tuples(st.just("bad"), st.integers(0, 4)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(mean=st.booleans(), program=st.lists(ops, max_size=12))
+def test_matches_reference_model(mean, program):
+    acc = optax_accum.SparseConditionalAccumulator(
+        np.float32, shape=(21, 2), reduction_type="MEAN" if mean else "SUM"
+    )
+    model = SparseModel(mean)
+    for op in program:
+        if op[0] == "apply":
+            indices = np.array([i for i, _ in op[1]], np.int64)
+            values = np.array([[v, -v] for _, v in op[1]], np.float32).reshape(-1, 2)
+            got = acc.apply_grad(indices, values, local_step=op[2])
+            assert got == model.apply(indices.tolist(), values.tolist(), op[2])
+        elif op[0] == "take":
+            want = model.take(op[1])
+            if want is None:
+                with pytest.raises(TimeoutError):
+                    acc.take_grad(op[1], timeout=0)
+            else:
+                indices, values, shape = acc.take_grad(op[1], timeout=0)
+                assert np.asarray(indices).tolist() == want[0] and shape == (21, 2)
+                np.testing.assert_allclose(values, want[1], rtol=1e-6)
+        elif op[0] == "set":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                acc.set_global_step(op[1])
+            assert len(caught) == (op[1] < model.step)  # lowering warns, as TF
+            model.step = op[1]
+        else:
+            with pytest.raises(ValueError):
+                acc.apply_grad([21], f32([[1, 1]]), local_step=op[1])
+        assert (acc.global_step, acc.num_accumulated()) == (model.step, model.count)
+
+
+def test_results_live_on_the_device():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(2, 1))
+    acc.apply_grad([0], f32([[1]]))
+    indices, values, _ = acc.take_grad(1, timeout=T)
+    assert isinstance(indices, jax.Array) and isinstance(values, jax.Array)
