@@ -170,19 +170,20 @@ def agn(
         return _common.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
 
     def init_fn(params: optax.Params) -> AGNState:
-        zero = _common.int32(0)
         # zeros_like, not zeros: under shard_map the sum varies over the mesh axes the
         # params vary over, so the state's types are the same before and after update.
         accumulator = (
             () if delta else jax.tree.map(lambda p: jnp.zeros_like(p, sum_dtype(p)), params)
         )
         return AGNState(
-            global_step=zero,
-            count=zero,
-            num_nonfinite=zero,
+            global_step=_common.int32(0),  # one buffer per field, so state can be donated
+            count=_common.int32(0),
+            num_nonfinite=_common.int32(0),
             emitted=jnp.asarray(False),
             accumulator=accumulator,
-            centre=jax.tree.map(jnp.asarray, params),
+            # A copy: outside jit, asarray would alias the params' buffers, and a train
+            # step that donates both params and state would donate them twice.
+            centre=jax.tree.map(jnp.copy, params),
             inner_state=inner.init(params),
             outer_state=outer.init(params),
         )

@@ -486,6 +486,21 @@ def test_accessors_and_dtypes():
     assert optax_accum.agn(optax.sgd(0.1), 2, commit="delta").init(params).accumulator == ()
 
 
+def test_state_does_not_alias_params_so_both_can_be_donated():
+    tx = optax_accum.agn(optax.sgd(0.1), 2)
+    params = jnp.ones(DIM)
+    state = tx.init(params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    for _ in range(5):
+        params, state = step(params, state, jnp.ones(DIM))
+    np.testing.assert_allclose(np.asarray(state.centre), 0.8, rtol=1e-6)
+
+
 def test_missing_params_is_a_clear_error():
     tx = optax_accum.agn(optax.sgd(0.1), 2)
     state = tx.init(jnp.zeros(2))
