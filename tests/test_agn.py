@@ -539,3 +539,30 @@ def test_unbound_axis_is_a_clear_error():
     state = tx.init(jnp.zeros(2))
     with pytest.raises(ValueError, match="axis_name='w' is not bound"):
         tx.update(jnp.ones(2), state, jnp.zeros(2))
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_period_1_is_synchronous_sgd():
+    """AGN with period 1 and outer = inner steps exactly like cross_shard_optimizer."""
+    a, b = _worker_problem()
+    trajectories = []
+    for tx in (
+        optax_accum.agn(optax.sgd(0.1, momentum=0.9), 1, axis_name="w"),
+        optax_accum.cross_shard_optimizer(optax.sgd(0.1, momentum=0.9), "w"),
+    ):
+
+        def step(params, state, a, b, tx=tx):
+            updates, state = tx.update(a * (params - b), state, params)
+            return optax.apply_updates(params, updates), state
+
+        step = jax.jit(jax.vmap(step, axis_name="w"))
+        params = jnp.zeros((WORKERS, DIM), jnp.float32)
+        state = jax.vmap(tx.init)(params)
+        history = []
+        for _ in range(5):
+            params, state = step(params, state, a, b)
+            history.append(np.asarray(params))
+        trajectories.append(np.stack(history))
+    np.testing.assert_allclose(trajectories[0], trajectories[1], rtol=1e-6, atol=1e-7)
