@@ -155,7 +155,7 @@ def _scan_fn(period, commit, momentum, skip):
     return run, inner, outer
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     period=st.integers(1, 5),
     commit=st.sampled_from(["gradients", "delta"]),
