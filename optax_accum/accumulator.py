@@ -134,12 +134,12 @@ def conditional_accumulator(
     skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
-        zero = _common.int32(0)
+        # Each counter gets its own buffer, so the state can be donated as it comes.
         return ConditionalAccumulatorState(
-            global_step=zero,
-            count=zero,
-            num_dropped=zero,
-            num_nonfinite=zero,
+            global_step=_common.int32(0),
+            count=_common.int32(0),
+            num_dropped=_common.int32(0),
+            num_nonfinite=_common.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
                 lambda p: jnp.zeros(

@@ -228,3 +228,21 @@ def test_train_step_temporaries_are_at_most_the_updates(dtype):
     )
     slack = 4096  # scalars, tuples and the loop flag
     assert compiled.memory_analysis().temp_size_in_bytes <= tree_bytes(params) + slack
+
+
+def test_fresh_state_and_params_can_be_donated():
+    """`init` gives every leaf its own buffer: donating a fresh state (and params) to
+    a train step works as it comes, with no defensive copy."""
+    tx = optax_accum.conditional_accumulator(INNERS["adam"](), num_required=2)
+    params = make_params(jnp.float32)
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def train_step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = step(params, state, grads)
+    assert int(optax_accum.global_step(state)) == 1
