@@ -212,6 +212,24 @@ def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any)
     return lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
 
 
+def _tied_to(flag: jax.Array, tree: Any) -> Any:
+    """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type.
+
+    One barrier per distinct set of varying mesh axes: under `jax.shard_map` a
+    barrier's outputs all take the union of its operands' varying axes, which would
+    turn replica-invariant leaves (e.g. an inner optimizer's state) varying.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    by_axes: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_axes.setdefault(_varying_axes(jax.typeof(x)), []).append(i)
+    for idx in by_axes.values():
+        _, tied = lax.optimization_barrier((flag, [leaves[i] for i in idx]))
+        for i, x in zip(idx, tied, strict=True):
+            leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
 def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     """`fn(carry)` when `pred` holds, else `carry` itself, updated in place.
 
@@ -234,14 +252,14 @@ def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     axes = jax.tree.map(lambda c, o: _varying_axes(jax.typeof(c)) | _varying_axes(o), carry, out)
     join = lambda tree: jax.tree.map(_make_varying, tree, axes)  # noqa: E731
     # Arrays `fn` closes over ride in the loop as read-only operands.
-    fn, consts = jax.closure_convert(fn, carry)
+    fn, consts = jax.closure_convert(fn, join(carry))
 
     def body(loop: tuple) -> tuple:
         again, value, consts = loop
         # The barrier ties every input of `fn` to the loop-carried flag: otherwise XLA
         # would hoist work on loop-invariant inputs out of the loop and run it even
         # when the loop runs zero times.
-        _, value_in, consts_in = lax.optimization_barrier((again, value, consts))
+        value_in, consts_in = _tied_to(again, (value, consts))
         return jnp.logical_not(again), join(fn(value_in, *consts_in)), consts
 
     init = (jnp.asarray(pred), join(carry), consts)

@@ -118,8 +118,12 @@ def test_specs_on_a_2d_mesh_with_grad_axes():
 
 
 def test_varying_scalar_state_raises():
-    tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 2, skip_nonfinite=True)
-    with pytest.raises(ValueError, match=r"state\.\w+ is a scalar that differs between replicas"):
+    # A per-replica running sum of the gradients: a scalar that differs per replica.
+    tx = optax.GradientTransformation(
+        lambda params: jnp.zeros(()),
+        lambda updates, state, params=None: (updates, state + jnp.sum(updates["b"])),
+    )
+    with pytest.raises(ValueError, match=r"state is a scalar that differs between replicas"):
         state_partition_specs(tx, _params(), _mesh())
     with pytest.raises(ValueError, match="grad_axes must name axes of the mesh"):
         state_partition_specs(tx, _params(), _mesh(), grad_axes=("x",))
