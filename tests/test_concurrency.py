@@ -1,0 +1,172 @@
+"""Stress: host accumulators under concurrent applies, takes, step changes and timeouts.
+
+Each round, 8 threads apply 200 gradients each, tagged with the current global step,
+the one before (stale) or the one after (future), while 2 threads take with random
+`num_required` and short timeouts (many time out) and 1 thread raises the global step
+with `set_global_step`. Gradients carry integer values (exact in float32) and a
+count column, with SUM reduction, so the takes must add up exactly to what the
+applies report as accepted: nothing lost, nothing counted twice, no gradient taken by
+a take that timed out. Every wait is bounded (takes have timeouts, joins a limit), so
+a deadlock fails the test instead of hanging it. 20 rounds run in one test.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import optax_accum
+
+ROUNDS = 20
+APPLIERS = 8
+APPLIES = 200
+TAKERS = 2
+ROWS = 8
+WAIT = 30.0  # seconds: the bound on any join or final take
+
+pytestmark = pytest.mark.filterwarnings("ignore:set_global_step")
+
+
+class _Round:
+    """One round's threads and their records; `run` returns what the takes returned."""
+
+    def __init__(self, acc: Any, seed: int, apply_one: Callable, take_one: Callable) -> None:
+        self.acc, self.seed = acc, seed
+        self.apply_one, self.take_one = apply_one, take_one
+        self.accepted: list[list[tuple[int, int]]] = [[] for _ in range(APPLIERS)]
+        self.rejected = [0] * APPLIERS
+        self.taken: list[Any] = []
+        self.timeouts = 0
+        self.errors: list[BaseException] = []
+        self.appliers_done = threading.Event()
+        self.lock = threading.Lock()
+
+    def _guard(self, fn: Callable) -> Callable:
+        def run(*args):
+            try:
+                fn(*args)
+            except BaseException as e:  # reported by the test thread
+                self.errors.append(e)
+
+        return run
+
+    def _applier(self, t: int) -> None:
+        rng = random.Random(self.seed * 100 + t)
+        for j in range(APPLIES):
+            value = t * 1000 + j + 1  # unique per gradient, exact in float32 sums
+            row = rng.randrange(ROWS)
+            step = self.acc.global_step + rng.choice([0, 0, 0, 0, -1, 1])
+            if self.apply_one(self.acc, value, row, step):
+                self.accepted[t].append((value, row))
+            else:
+                self.rejected[t] += 1
+
+    def _taker(self, t: int) -> None:
+        rng = random.Random(self.seed * 100 + 50 + t)
+        while not self.appliers_done.is_set():
+            try:
+                got = self.take_one(self.acc, rng.randint(1, 6), rng.choice([0.0, 1e-4, 2e-3]))
+            except TimeoutError:
+                with self.lock:
+                    self.timeouts += 1
+                continue
+            with self.lock:
+                self.taken.append(got)
+
+    def _stepper(self) -> None:
+        rng = random.Random(self.seed * 100 + 99)
+        while not self.appliers_done.is_set():
+            self.acc.set_global_step(self.acc.global_step + rng.choice([0, 1]))
+            self.appliers_done.wait(1e-3)
+
+    def run(self) -> None:
+        appliers = [
+            threading.Thread(target=self._guard(self._applier), args=(t,), daemon=True)
+            for t in range(APPLIERS)
+        ]
+        others = [
+            threading.Thread(target=self._guard(self._taker), args=(t,), daemon=True)
+            for t in range(TAKERS)
+        ] + [threading.Thread(target=self._guard(self._stepper), daemon=True)]
+        for thread in appliers + others:
+            thread.start()
+        for thread in appliers:
+            thread.join(WAIT)
+        self.appliers_done.set()
+        for thread in others:
+            thread.join(WAIT)
+        stuck = [thread for thread in appliers + others if thread.is_alive()]
+        assert not stuck, f"{len(stuck)} thread(s) still running after {WAIT} s: deadlock?"
+        assert not self.errors, self.errors
+        left = self.acc.num_accumulated()
+        if left:
+            self.taken.append(self.take_one(self.acc, left, WAIT))
+        assert self.acc.num_accumulated() == 0 and self.acc.num_waiting_takes() == 0
+
+
+def _check_round(r: _Round, totals: Callable[[list], np.ndarray], expected: np.ndarray) -> None:
+    accepted = [a for per_thread in r.accepted for a in per_thread]
+    assert len(accepted) + sum(r.rejected) == APPLIERS * APPLIES
+    assert r.acc.num_dropped == sum(r.rejected)  # every rejection was a stale drop
+    np.testing.assert_array_equal(totals(r.taken), expected)
+
+
+def _exercised(r: _Round) -> np.ndarray:
+    """Whether the round saw a timed-out take, takes served while applies ran, a drop."""
+    return np.array([r.timeouts > 0, len(r.taken) > 1, sum(r.rejected) > 0], int)
+
+
+def _dense_apply(acc, value, row, step) -> bool:
+    return acc.apply_grad(np.array([value, 1.0], np.float32), local_step=step)
+
+
+def _dense_take(acc, n, timeout):
+    return np.asarray(acc.take_grad(n, timeout=timeout), np.float64)
+
+
+def _sparse_apply(acc, value, row, step) -> bool:
+    rows = np.array([[value, 1.0], [1.0, 0.0]], np.float32)
+    return acc.apply_grad([row, (row + 1) % ROWS], rows, local_step=step)
+
+
+def _sparse_take(acc, n, timeout):
+    indices, values, _ = acc.take_grad(n, timeout=timeout)
+    dense = np.zeros((ROWS, 2))
+    np.add.at(dense, np.asarray(indices), np.asarray(values, np.float64))
+    return dense
+
+
+def test_dense_accumulator_stress_20_rounds():
+    exercised = np.zeros(3, int)  # rounds with timeouts, concurrent takes, stale drops
+    for seed in range(ROUNDS):
+        acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type="SUM")
+        r = _Round(acc, seed, _dense_apply, _dense_take)
+        r.run()
+        accepted = [v for per_thread in r.accepted for v, _ in per_thread]
+        expected = np.array([sum(accepted), len(accepted)], np.float64)
+        _check_round(r, lambda taken: np.sum(taken, axis=0), expected)
+        exercised += _exercised(r)
+    assert np.all(exercised > 0), exercised
+
+
+def test_sparse_accumulator_stress_20_rounds():
+    exercised = np.zeros(3, int)  # rounds with timeouts, concurrent takes, stale drops
+    for seed in range(ROUNDS):
+        acc = optax_accum.SparseConditionalAccumulator(
+            np.float32, shape=(ROWS, 2), reduction_type="SUM"
+        )
+        r = _Round(acc, seed, _sparse_apply, _sparse_take)
+        r.run()
+        expected = np.zeros((ROWS, 2))
+        for per_thread in r.accepted:
+            for value, row in per_thread:
+                expected[row] += [value, 1.0]
+                expected[(row + 1) % ROWS] += [1.0, 0.0]
+        _check_round(r, lambda taken: np.sum(taken, axis=0), expected)
+        exercised += _exercised(r)
+    assert np.all(exercised > 0), exercised
