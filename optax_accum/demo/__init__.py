@@ -17,6 +17,7 @@ from collections.abc import Sequence
 SECTIONS: dict[str, str] = {
     "accumulate": "optax_accum.demo.accumulate:run",
     "agn": "optax_accum.demo.agn:run",
+    "data_parallel": "optax_accum.demo.data_parallel:run",
 }
 
 
