@@ -126,8 +126,14 @@ def local_step_or(local_step: Any, default: jax.Array, *, argname: str = "local_
         raise ValueError(
             f"{argname} must be an integer scalar, got shape {tuple(jnp.shape(local_step))}"
         )
-    if isinstance(local_step, int | np.integer):
-        local_step = int(np.clip(local_step, np.iinfo(np.int32).min, _INT32_MAX))
+    # Saturate wider integers instead of wrapping: a step from the far future must stay
+    # in the future (NumPy int64 scalars and 0-d arrays, and int64 arrays under x64).
+    if isinstance(local_step, int | np.integer | np.ndarray):
+        local_step = int(np.clip(int(local_step), np.iinfo(np.int32).min, _INT32_MAX))
+    elif dtype.itemsize > 4 or (dtype.itemsize == 4 and jnp.issubdtype(dtype, jnp.unsignedinteger)):
+        info = jnp.iinfo(dtype)
+        low, high = max(info.min, np.iinfo(np.int32).min), _INT32_MAX
+        local_step = jnp.clip(local_step, np.asarray(low, dtype), np.asarray(high, dtype))
     return jnp.asarray(local_step).astype(jnp.int32)
 
 

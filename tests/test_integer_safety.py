@@ -1,0 +1,231 @@
+"""Counters never overflow or wrap: they stop at the int32 maximum, as
+`optax.safe_increment` does, and decisions made from them stay right there.
+
+For every stateful transform, each counter (global_step, count, num_dropped,
+num_nonfinite, num_overflowed, the sparse rows' touch counts) is set just below
+int32 max and driven past it under `jax.jit`, alone and, where the increment is a
+cross-replica sum, from 2 replicas at once. Step arithmetic (the staleness lag) and
+step arguments beyond int32 (Python ints, NumPy int64) saturate instead of wrapping.
+The host accumulators count with Python ints, which do not overflow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_accum
+from optax_accum import IndexedSlices
+
+MAX = int(np.iinfo(np.int32).max)
+MIN = int(np.iinfo(np.int32).min)
+SGD = optax.sgd(1.0)
+
+
+def _at(state, **fields):
+    """`state` with the given counters set (as int32 scalars, or arrays)."""
+    return state._replace(**{k: jnp.asarray(v, jnp.int32) for k, v in fields.items()})
+
+
+def _safe(value: int, times: int) -> list[int]:
+    """The counter after 1..times `optax.safe_increment`s from `value`."""
+    out, c = [], jnp.asarray(value, jnp.int32)
+    for _ in range(times):
+        c = optax.safe_increment(c)
+        out.append(int(c))
+    return out
+
+
+def _drive(tx, state, grads, steps, params=None):
+    """Runs `tx.update` under jit for each local step in `steps`; returns the states."""
+    update = jax.jit(lambda g, s, p, ls: tx.update(g, s, p, local_step=ls))
+    states = []
+    for ls in steps:
+        _, state = update(grads, state, params, ls)
+        states.append(state)
+    return states
+
+
+def _field(states, name) -> list[int]:
+    return [int(getattr(s, name)) for s in states]
+
+
+def test_safe_helper_matches_optax():
+    assert _safe(MAX - 2, 4) == [MAX - 1, MAX, MAX, MAX]
+
+
+# --------------------------------------------------------------------------- dense accumulator
+
+
+def test_accumulator_global_step_saturates_and_keeps_accepting():
+    tx = optax_accum.conditional_accumulator(SGD, 1)
+    state = _at(tx.init(jnp.zeros(2)), global_step=MAX - 2)
+    states = _drive(tx, state, jnp.ones(2), [MAX] * 4)  # tagged with the max step
+    assert _field(states, "global_step") == _safe(MAX - 2, 4)
+    assert _field(states, "num_dropped") == [0, 0, 0, 0]  # MAX >= MAX: never stale
+    assert all(bool(s.emitted) for s in states)
+
+
+def test_accumulator_count_saturates_at_max_and_releases():
+    tx = optax_accum.conditional_accumulator(SGD, lambda step: MAX, reduction="sum")
+    state = _at(tx.init(jnp.zeros(2)), count=MAX - 2)
+    states = _drive(tx, state, jnp.ones(2), [0, 0, 1])
+    assert _field(states, "count") == [MAX - 1, 0, 1]  # reached MAX: released, reset
+    assert _field(states, "global_step") == [0, 1, 1]
+
+
+@pytest.mark.parametrize("field", ["num_dropped", "num_nonfinite"])
+def test_accumulator_drop_counters_saturate(field):
+    tx = optax_accum.conditional_accumulator(SGD, 2, skip_nonfinite=True)
+    state = _at(tx.init(jnp.zeros(2)), global_step=5, **{field: MAX - 2})
+    if field == "num_dropped":
+        grads, steps = jnp.ones(2), [4] * 4  # stale
+    else:
+        grads, steps = jnp.array([np.nan, 1.0], np.float32), [5] * 4
+    states = _drive(tx, state, grads, steps)
+    assert _field(states, field) == _safe(MAX - 2, 4)
+    assert _field(states, "count") == [0] * 4
+
+
+def test_accumulator_cross_replica_increments_saturate():
+    """Two replicas add 2 at once: MAX - 1 + 2 stops at MAX instead of wrapping."""
+    tx = optax_accum.conditional_accumulator(SGD, 2, axis_name="r", skip_nonfinite=True)
+    step = jax.jit(
+        jax.vmap(
+            lambda g, s, ls: tx.update(g, s, local_step=ls), axis_name="r", in_axes=(0, 0, None)
+        )
+    )
+    init = jax.vmap(tx.init)(jnp.zeros((2, 3)))
+    fields = dict(global_step=jnp.full(2, 7), num_dropped=jnp.full(2, MAX - 1))
+    state = init._replace(**{k: v.astype(jnp.int32) for k, v in fields.items()})
+    state = state._replace(num_nonfinite=jnp.full(2, MAX - 1, jnp.int32))
+    _, state = step(jnp.ones((2, 3)), state, 6)  # both stale
+    np.testing.assert_array_equal(np.asarray(state.num_dropped), [MAX, MAX])
+    _, state = step(jnp.full((2, 3), np.inf, np.float32), state, 7)  # both non-finite
+    np.testing.assert_array_equal(np.asarray(state.num_nonfinite), [MAX, MAX])
+
+
+# --------------------------------------------------------------------------- sparse accumulator
+
+
+def _sparse_grad(ids):
+    ids = jnp.asarray(ids, jnp.int32)
+    return IndexedSlices(ids, jnp.ones((ids.shape[0], 2)), (6, 2))
+
+
+@pytest.mark.parametrize("field", ["global_step", "num_dropped", "num_nonfinite", "num_overflowed"])
+def test_sparse_counters_saturate(field):
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(1.0), 1, capacity=2, skip_nonfinite=True
+    )
+    state = _at(tx.init(jnp.zeros((6, 2))), **{field: MAX - 2})
+    grads, steps = _sparse_grad([0]), [MAX] * 4  # accepted, released each time
+    if field == "num_dropped":
+        state = _at(state, global_step=5)
+        steps = [4] * 4
+    elif field == "num_nonfinite":
+        grads = IndexedSlices(jnp.array([0]), jnp.full((1, 2), np.nan, np.float32), (6, 2))
+    elif field == "num_overflowed":
+        tx = optax_accum.sparse_conditional_accumulator(optax_accum.sparse_sgd(1.0), 1, capacity=2)
+        state = _at(tx.init(jnp.zeros((6, 2))), num_overflowed=MAX - 2)
+        grads = _sparse_grad([0, 1, 2])  # three rows > capacity 2
+    states = _drive(tx, state, grads, steps)
+    assert _field(states, field) == _safe(MAX - 2, 4)
+
+
+def test_sparse_count_and_row_touches_reach_max_without_wrapping():
+    """MEAN divides a row by its touches: at int32 max it is still a positive count."""
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(1.0), lambda step: MAX, capacity=2
+    )
+    state = tx.init(jnp.zeros((6, 2)))
+    _, state = jax.jit(tx.update)(_sparse_grad([3]), state)
+    (buffer,) = [
+        b for b in jax.tree.leaves(state.accumulator, is_leaf=lambda x: hasattr(x, "touches"))
+    ]
+    buffer = buffer._replace(touches=buffer.touches.at[0].set(MAX - 1))
+    state = _at(state, count=MAX - 1)._replace(accumulator=buffer)
+    updates, state = jax.jit(tx.update)(_sparse_grad([3]), state)
+    assert int(optax_accum.global_step(state)) == 1 and int(state.count) == 0
+    row = np.asarray(updates.to_dense())[3]
+    assert np.all(row < 0) and np.all(np.isfinite(row))  # -(2 / MAX) per element
+
+
+# --------------------------------------------------------------------------- agn
+
+
+def test_agn_global_step_and_nonfinite_count_saturate():
+    tx = optax_accum.agn(SGD, 1, skip_nonfinite=True)
+    params = jnp.zeros(2)
+    state = _at(tx.init(params), global_step=MAX - 2, num_nonfinite=MAX - 2)
+    states = _drive(tx, state, jnp.array([np.inf, 1.0], np.float32), [0] * 4, params)
+    assert _field(states, "global_step") == _safe(MAX - 2, 4)
+    assert _field(states, "num_nonfinite") == _safe(MAX - 2, 4)
+
+
+def test_agn_longest_period_syncs_at_int32_max():
+    tx = optax_accum.agn(SGD, MAX)
+    params = jnp.zeros(2)
+    state = _at(tx.init(params), count=MAX - 2)
+    states = _drive(tx, state, jnp.ones(2), [0] * 3, params)
+    assert _field(states, "count") == [MAX - 1, 0, 1]
+    assert _field(states, "global_step") == [0, 1, 1]
+
+
+# --------------------------------------------------------------------------- drop_stale_gradients
+
+
+def test_drop_stale_counters_saturate():
+    tx = optax_accum.drop_stale_gradients(SGD, 0)
+    state = _at(tx.init(jnp.zeros(2)), global_step=MAX - 2, num_dropped=MAX - 2)
+    accepted = _drive(tx, state, jnp.ones(2), [MAX - 2, MAX - 1, MAX, MAX])
+    assert _field(accepted, "global_step") == _safe(MAX - 2, 4)
+    dropped = _drive(tx, accepted[-1], jnp.ones(2), [0] * 4)
+    assert _field(dropped, "num_dropped") == _safe(MAX - 2, 4)
+
+
+@pytest.mark.parametrize(
+    "global_step, local_step, staleness, accepted",
+    [
+        (MAX, MIN, 10, False),  # lag 2**32 - 1 would wrap to -1: accepted by mistake
+        (MIN, MAX, 0, True),  # lag -(2**32 - 1) would wrap to 1: dropped by mistake
+        (MAX, 0, MAX, True),  # lag MAX <= MAX
+        (MAX, -1, MAX - 1, False),  # lag MAX + 1 saturates to MAX > MAX - 1
+    ],
+    ids=["max-min", "min-max", "lag-max", "lag-beyond-max"],
+)
+def test_drop_stale_lag_saturates_instead_of_wrapping(global_step, local_step, staleness, accepted):
+    tx = optax_accum.drop_stale_gradients(SGD, staleness)
+    state = _at(tx.init(jnp.zeros(2)), global_step=global_step)
+    (after,) = _drive(tx, state, jnp.ones(2), [local_step])
+    assert bool(after.emitted) is accepted
+
+
+# --------------------------------------------------------------------------- step arguments
+
+
+@pytest.mark.parametrize(
+    "local_step",
+    [2**40, np.int64(2**40), np.array(2**40, np.int64)],
+    ids=["python-int", "numpy-int64", "numpy-0d-int64-array"],
+)
+def test_local_step_beyond_int32_saturates_instead_of_wrapping(local_step):
+    """A step from the far future stays in the future: clipped to int32 max, never 0."""
+    tx = optax_accum.conditional_accumulator(SGD, 2)
+    state = _at(tx.init(jnp.zeros(2)), global_step=7)
+    _, state = tx.update(jnp.ones(2), state, local_step=local_step)
+    assert int(optax_accum.num_accumulated(state)) == 1 and int(state.num_dropped) == 0
+    later = optax_accum.set_global_step(state, local_step)
+    assert int(optax_accum.global_step(later)) == MAX
+
+
+def test_host_counters_are_python_ints_that_do_not_wrap():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(1,))
+    acc.set_global_step(2**40)
+    assert not acc.apply_grad(np.ones(1, np.float32), local_step=MAX)  # stale
+    assert acc.apply_grad(np.ones(1, np.float32), local_step=2**40)
+    assert float(acc.take_grad(1, timeout=10.0)[0]) == 1.0
+    assert (acc.global_step, acc.num_dropped) == (2**40 + 1, 1)
