@@ -242,11 +242,10 @@ def agn(
             pull = optax.tree.cast_like(pull, local_updates)
             return pull, optax.tree.zeros_like(accumulator), centre, outer_state
 
-        def local_step(accumulator, centre, outer_state):
-            return local_updates, accumulator, centre, outer_state
-
-        new_updates, accumulator, centre, outer_state = _common.cond(
-            sync, commit_round, local_step, accumulator, state.centre, state.outer_state
+        new_updates, accumulator, centre, outer_state = _common.apply_if(
+            sync,
+            lambda carry: commit_round(*carry[1:]),
+            (local_updates, accumulator, state.centre, state.outer_state),
         )
         new_state = AGNState(
             global_step=jnp.where(sync, optax.safe_increment(state.global_step), state.global_step),

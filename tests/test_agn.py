@@ -396,9 +396,10 @@ def _entry_and_rest(hlo: str) -> tuple[str, str]:
 
 
 def _assert_collective_only_in_conditional(hlo: str):
+    """No all-reduce in the entry computation, one behind its conditional or 0/1 loop."""
     entry, rest = _entry_and_rest(hlo)
     assert "all-reduce" not in entry, "an all-reduce runs on every step"
-    assert "conditional" in entry
+    assert re.search(r"\b(conditional|while)\(", entry), "the sync step is not conditional"
     assert "all-reduce" in rest, "the sync branch lost its all-reduce"
 
 
