@@ -31,12 +31,14 @@ class RowBuffer(NamedTuple):
     """One sparse leaf's running sum: up to `capacity` distinct rows, in arrival order.
 
     Attributes:
-      rows: int32 `[capacity]`, the row id held in each slot; unused slots hold the
-        padding id (the table's row count).
+      rows: int32 `[capacity]`, the row id held in each slot.
       values: `[capacity, *row_shape]`, the sum of the accepted gradients' rows.
       touches: int32 `[capacity]`, how many accepted gradients touched each slot's row.
-      size: int32, the number of slots in use (slots `0..size-1`).
-      slot_of: int32 `[table rows]`, the slot of each row of the table, -1 if none.
+      size: int32, the number of slots in use (slots `0..size-1`). Slots at or beyond
+        `size` hold stale data from before the last release and are never read: a
+        release only resets `size`, so it costs nothing per table row.
+      slot_of: int32 `[table rows]`, the slot of each row; an entry counts only if it
+        points below `size` at a slot whose `rows` entry is that row.
     """
 
     rows: jax.Array
@@ -149,32 +151,42 @@ def _add_dense(accepted: jax.Array, accumulator: jax.Array, gradient: Any) -> ja
 
 
 class _Plan(NamedTuple):
-    """Where one gradient's rows go in a buffer (rows sorted, padding last)."""
+    """Where one gradient's rows go in a buffer, found without sorting."""
 
-    order: jax.Array  # permutation sorting the gradient's rows
-    rows: jax.Array  # sorted row ids; padding = table rows
-    first: jax.Array  # True at the first occurrence of each real row
-    new: jax.Array  # True at the first occurrence of a row not yet in the buffer
-    slot: jax.Array  # the slot of each sorted row (capacity for padding)
+    rows: jax.Array  # the gradient's row ids; padding (and out-of-range ids) = table rows
+    first: jax.Array  # True at exactly one occurrence of each distinct real row
+    new: jax.Array  # True at that occurrence when the row is not in the buffer yet
+    slot: jax.Array  # the slot of each occurrence's row (capacity for padding)
     num_new: jax.Array  # how many slots the gradient would add
+    existing: jax.Array  # the row's slot before this gradient, -1 if none
+    before: jax.Array  # the row's map entry before this gradient (valid or stale)
+    slot_of: jax.Array  # the map, with scratch entries at the gradient's rows
 
 
 def _plan(buf: RowBuffer, indices: jax.Array) -> _Plan:
-    """Looks up the gradient's rows; O(nnz log nnz), independent of the table's size."""
+    """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
+
+    A map entry is trusted only if it points below `size` at a slot holding that row,
+    so a release never has to clear the map. Duplicate ids are told apart by letting
+    each occurrence claim its row in the map (as -2 - position): the claim that sticks
+    picks the one occurrence that counts, and `_commit` writes the real slots back.
+    """
     num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
     real = (indices >= 0) & (indices < num_rows)
-    keys = jnp.where(real, indices, num_rows).astype(jnp.int32)
-    order = jnp.argsort(keys)
-    rows = keys[order]
-    real = rows < num_rows
-    first = real & jnp.concatenate([jnp.ones((1,), bool), rows[1:] != rows[:-1]])[: rows.shape[0]]
-    existing = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
+    rows = jnp.where(real, indices, num_rows).astype(jnp.int32)
+    mapped = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
+    held = buf.rows.at[mapped].get(mode="fill", fill_value=-1)
+    existing = jnp.where((mapped >= 0) & (mapped < buf.size) & (held == rows), mapped, -1)
+    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    slot_of = buf.slot_of.at[rows].set(-2 - position, mode="drop")
+    owner = -2 - slot_of.at[rows].get(mode="fill", fill_value=-2)  # the occurrence that counts
+    first = real & (owner == position)
     new = first & (existing < 0)
-    # Duplicates of a new row follow its first occurrence, so they share its cumsum.
-    rank = jnp.cumsum(new, dtype=jnp.int32)
-    slot = jnp.where(existing >= 0, existing, buf.size + rank - 1)
+    new_slot = buf.size + jnp.cumsum(new, dtype=jnp.int32) - 1
+    slot = jnp.where(existing >= 0, existing, new_slot.at[owner].get(mode="fill", fill_value=0))
     slot = jnp.where(real, slot, capacity)
-    return _Plan(order, rows, first, new, slot, jnp.sum(new, dtype=jnp.int32))
+    num_new = jnp.sum(new, dtype=jnp.int32)
+    return _Plan(rows, first, new, slot, num_new, existing, mapped, slot_of)
 
 
 def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
@@ -183,41 +195,46 @@ def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
 
 def _commit(buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array) -> RowBuffer:
     """Adds the planned rows if `take`; otherwise every scatter is aimed out of range."""
-    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    capacity = buf.rows.shape[0]
     slot = jnp.where(take, plan.slot, capacity)
     new_slot = jnp.where(plan.new, slot, capacity)
+    # A slot freed by a release still holds its old sum and count: reset them on reuse.
+    zero = jnp.zeros((), buf.values.dtype)
+    cleared = buf.values.at[new_slot].set(zero, mode="drop")
+    touches = buf.touches.at[new_slot].set(0, mode="drop")
+    # Every occurrence of a row writes the same entry, so the scatter is deterministic;
+    # a gradient not taken restores the map exactly as it was.
+    mapped = jnp.where(take, plan.slot, plan.before)
     return RowBuffer(
         rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
-        values=buf.values.at[slot].add(values[plan.order].astype(buf.values.dtype), mode="drop"),
-        touches=buf.touches.at[jnp.where(plan.first, slot, capacity)].add(1, mode="drop"),
+        values=cleared.at[slot].add(values.astype(buf.values.dtype), mode="drop"),
+        touches=touches.at[jnp.where(plan.first, slot, capacity)].add(1, mode="drop"),
         size=jnp.where(take, buf.size + plan.num_new, buf.size),
-        slot_of=buf.slot_of.at[jnp.where(take & plan.new, plan.rows, num_rows)].set(
-            plan.slot, mode="drop"
-        ),
+        slot_of=plan.slot_of.at[plan.rows].set(mapped, mode="drop"),
     )
 
 
 def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSlices:
-    """The buffer's rows, sorted and unique, padded to capacity; per-row mean if `mean`."""
-    order = jnp.argsort(buf.rows)
-    values = buf.values[order]
+    """The buffer's rows, sorted and unique, padded to capacity; per-row mean if `mean`.
+
+    Sorts the `capacity` row ids alone (no payload) and finds their slots in the map.
+    """
+    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    used = jnp.arange(capacity) < buf.size
+    ids = jnp.sort(jnp.where(used, buf.rows, num_rows))
+    slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
+    values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
     if mean:
-        touches = buf.touches[order].reshape((-1,) + (1,) * (values.ndim - 1))
+        touches = buf.touches.at[slots].get(mode="fill", fill_value=1)
+        touches = touches.reshape((-1,) + (1,) * (values.ndim - 1))
         values = values / jnp.maximum(touches, 1).astype(values.dtype)
-    table = (buf.slot_of.shape[0], *buf.values.shape[1:])
-    return IndexedSlices(buf.rows[order], values.astype(like.values.dtype), table)
+    table = (num_rows, *buf.values.shape[1:])
+    return IndexedSlices(ids, values.astype(like.values.dtype), table)
 
 
-def _reset(buf: RowBuffer) -> RowBuffer:
-    """An empty buffer; clears only the used entries of the row-to-slot map."""
-    num_rows = buf.slot_of.shape[0]
-    return RowBuffer(
-        rows=jnp.full_like(buf.rows, num_rows),
-        values=jnp.zeros_like(buf.values),
-        touches=jnp.zeros_like(buf.touches),
-        size=jnp.zeros_like(buf.size),
-        slot_of=buf.slot_of.at[buf.rows].set(-1, mode="drop"),
-    )
+def _reset_if(emit: jax.Array, buf: RowBuffer) -> RowBuffer:
+    """The buffer emptied if `emit`: only `size` changes (see `_plan` and `_commit`)."""
+    return buf._replace(size=jnp.where(emit, 0, buf.size))
 
 
 def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
@@ -230,6 +247,9 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
     if names <= set(jax.sharding.get_abstract_mesh().manual_axes):  # shard_map or pmap
         return lax.all_gather(_common._make_varying(x, names), axis_name, to="invarying")
     return lax.all_gather(x, axis_name)  # vmap
+
+
+_UNROLL = 8  # up to this many replicas, insertion is unrolled rather than scanned
 
 
 def _insert_all(
@@ -250,7 +270,14 @@ def _insert_all(
         return bufs, (take, offer & ~fits)
 
     xs = (offered, [g.indices for g in grads], [g.values for g in grads])
-    buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
+    if offered.shape[0] > _UNROLL:
+        buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
+        return buffers, taken, overflowed
+    flags = []
+    for r in range(offered.shape[0]):  # few replicas: unrolled, no loop-carried copies
+        buffers, flag = one(buffers, jax.tree.map(lambda x: x[r], xs))  # noqa: B023
+        flags.append(flag)
+    taken, overflowed = (jnp.stack(f) for f in zip(*flags, strict=True))
     return buffers, taken, overflowed
 
 
@@ -424,24 +451,21 @@ def sparse_conditional_accumulator(
 
             return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_buffer)
 
+        # The accumulator is read, never returned, by the branches: a buffer passed
+        # through `cond` would be copied on every step.
         def release(accumulator, inner_state):
-            new_updates, inner_state = inner.update(
-                aggregate(accumulator), inner_state, params, **extra_args
-            )
-            cleared = jax.tree.map(
-                lambda a: _reset(a) if _is_buffer(a) else jnp.zeros_like(a),
-                accumulator,
-                is_leaf=_is_buffer,
-            )
-            return new_updates, inner_state, cleared
+            return inner.update(aggregate(accumulator), inner_state, params, **extra_args)
 
         def hold(accumulator, inner_state):
             shapes = jax.eval_shape(aggregate, accumulator)
             held = _common.zero_updates(inner, shapes, inner_state, params, **extra_args)
-            return _as_padding(held), inner_state, accumulator
+            return _as_padding(held), inner_state
 
-        new_updates, inner_state, accumulator = _common.cond(
-            emit, release, hold, accumulator, state.inner_state
+        new_updates, inner_state = _common.cond(emit, release, hold, accumulator, state.inner_state)
+        accumulator = jax.tree.map(
+            lambda a: _reset_if(emit, a) if _is_buffer(a) else jnp.where(emit, 0, a),
+            accumulator,
+            is_leaf=_is_buffer,
         )
         new_state = SparseConditionalAccumulatorState(
             global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),

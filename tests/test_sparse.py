@@ -192,8 +192,13 @@ def test_capacity_refills_after_each_release():
     for ids in ([0, 1], [2, 3], [4, 5], [1, 4]):
         assert _rows(offer(_g(ids, np.ones((2, 2)))))[0] == ids
     assert int(box["state"].num_overflowed) == 0
-    buf = box["state"].accumulator
-    np.testing.assert_array_equal(buf.slot_of, -np.ones(ROWS))  # the map is cleared
+    assert int(box["state"].accumulator.size) == 0  # a release only resets the size
+    before = box["state"]  # its map still points at slots from earlier windows
+    offer(_g([0, 4], np.full((2, 2), np.nan)), -1)  # stale: dropped
+    after = box["state"]
+    assert int(after.num_dropped) == 1 and not bool(after.emitted)
+    same = after._replace(num_dropped=before.num_dropped, emitted=before.emitted)
+    jax.tree.map(np.testing.assert_array_equal, same, before)
 
 
 # --------------------------------------------------------------------------- NumPy model
