@@ -79,9 +79,10 @@ def agn(
     subtraction; exact whenever the two are within a factor of two). The local
     optimizer's state is kept across syncs, as in TF.
 
-    Only sync steps communicate: the `pmean` sits inside a `lax.cond` whose predicate
-    is the step counter, the same on every replica, so the other steps compile to no
-    collective at all. Initialise every replica from the same params (TF's
+    Only sync steps communicate: the `pmean` and `outer` sit in a branch (a loop run
+    zero times or once, which updates the centre in place) whose predicate is the step
+    counter, the same on every replica, so a local step runs no collective and costs
+    `inner` plus one accumulation pass. Initialise every replica from the same params (TF's
     `get_init_op`), so that they start from, and keep, the same centre. Under
     `jax.shard_map`, `state_partition_specs(tx, params, mesh, param_axes=(axis,))`
     gives the state's specs: the accumulator and `inner_state` are per worker, the
@@ -223,7 +224,8 @@ def agn(
         count = state.count + 1
         sync = count >= period
 
-        def commit_round(accumulator, centre, outer_state):
+        def commit_round(carry):
+            accumulator, centre, outer_state = carry
             if delta:
                 local = optax.apply_updates(params, local_updates)
                 pseudo = jax.tree.map(
@@ -238,15 +240,13 @@ def agn(
             pseudo = optax.tree.cast_like(pseudo, centre)
             outer_updates, outer_state = outer.update(pseudo, outer_state, centre, **extra_args)
             centre = optax.apply_updates(centre, outer_updates)
-            pull = jax.tree.map(lambda c, p: c - p, centre, params)
-            pull = optax.tree.cast_like(pull, local_updates)
-            return pull, optax.tree.zeros_like(accumulator), centre, outer_state
+            return optax.tree.zeros_like(accumulator), centre, outer_state
 
-        new_updates, accumulator, centre, outer_state = _common.apply_if(
-            sync,
-            lambda carry: commit_round(*carry[1:]),
-            (local_updates, accumulator, state.centre, state.outer_state),
+        accumulator, centre, outer_state = _common.apply_if(
+            sync, commit_round, (accumulator, state.centre, state.outer_state)
         )
+        pull = optax.tree.cast_like(jax.tree.map(lambda c, p: c - p, centre, params), local_updates)
+        new_updates = _common.tree_select(sync, pull, local_updates)
         new_state = AGNState(
             global_step=jnp.where(sync, optax.safe_increment(state.global_step), state.global_step),
             count=jnp.where(sync, 0, count),
