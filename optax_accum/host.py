@@ -51,6 +51,7 @@ from optax_accum.indexed_slices import IndexedSlices
 
 _SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
 _MIN_BUCKET = 8
+_MAX_PENDING = 4  # dense gradients added per kernel at most
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 Shape = tuple[int | None, ...]
@@ -61,14 +62,20 @@ Shape = tuple[int | None, ...]
 
 
 @functools.partial(jax.jit, static_argnames="dtype")
-def _copy_as(grad: jax.Array, dtype: Any) -> jax.Array:
-    """A fresh buffer holding `grad` in `dtype` (never aliases the caller's array)."""
-    return jnp.array(grad, dtype, copy=True)
+def _sum_as(grads: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """A fresh buffer holding the sum of `grads`, added left to right, in `dtype`."""
+    total = jnp.array(grads[0], dtype, copy=True)  # never aliases the caller's array
+    for grad in grads[1:]:
+        total = total + grad.astype(dtype)
+    return total
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _add(aggregate: jax.Array, grad: jax.Array) -> jax.Array:
-    return aggregate + grad.astype(aggregate.dtype)
+def _add(aggregate: jax.Array, grads: tuple[jax.Array, ...]) -> jax.Array:
+    """`aggregate` plus each of `grads` in turn: the rounding of one add at a time."""
+    for grad in grads:
+        aggregate = aggregate + grad.astype(aggregate.dtype)
+    return aggregate
 
 
 @jax.jit
@@ -210,22 +217,31 @@ def _as_array(x: Any, dtype: np.dtype, what: str) -> Any:
 
 
 class _Take:
-    """One waiting `take_grad`: filled in by whichever thread completes it."""
+    """One waiting `take_grad`, completed by whichever thread serves it.
 
-    __slots__ = ("done", "error", "num_required", "result")
+    The taker waits on its own event, outside the accumulator's lock, so waking it
+    never contends with the appliers. `done` is set under the lock, before the event.
+    """
+
+    __slots__ = ("done", "error", "event", "num_required", "result")
 
     def __init__(self, num_required: int) -> None:
         self.num_required = num_required
         self.done = False
+        self.event = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.done = result, error, True
+        self.event.set()
 
 
 class _Core:
     """Step, counters, aggregate and take queue; shared by objects with one shared_name.
 
     Subclasses hold the aggregate and implement `_release` (reduce, reset, return).
-    Every field is guarded by `_cond`'s lock.
+    Every field is guarded by `lock`.
     """
 
     def __init__(
@@ -238,7 +254,7 @@ class _Core:
         # float16/bfloat16 accumulate in float32, as the functional accumulators do.
         self.acc_dtype = _common.accumulator_dtype_for(dtype, None)
         self.device = jax.devices()[0]
-        self._cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
         self._takes: deque[_Take] = deque()
         self.global_step = 0
         self.count = 0
@@ -253,6 +269,19 @@ class _Core:
         if self.acc_dtype == np.float64 and not jax.config.jax_enable_x64:
             return jax.enable_x64(True)
         return contextlib.nullcontext()
+
+    def to_device(self, x: Any) -> tuple[jax.Array, bool]:
+        """`x` on the accumulator's device, and whether that buffer is ours to donate.
+
+        NumPy input is copied (the caller may reuse it) to the default device, the
+        fastest transfer JAX offers; a caller's JAX array is never donated.
+        """
+        with self.precision():
+            if not isinstance(x, jax.Array):
+                return jax.device_put(x), True
+            if x.sharding.device_set == {self.device}:
+                return x, False
+            return jax.device_put(x, self.device), True
 
     def finite(self, x: Any) -> bool:
         """Whether `x` is finite; only asked under `skip_nonfinite` (it syncs)."""
@@ -272,7 +301,7 @@ class _Core:
         (under skip_nonfinite) non-finite gradients are counted as such. An exception
         raised inside (a rejected gradient) leaves every counter as it was.
         """
-        with self._cond:
+        with self.lock:
             accept = local_step >= self.global_step and finite
             yield accept
             if accept:
@@ -290,24 +319,27 @@ class _Core:
         timeout = _check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = _Take(num_required)
-        with self._cond:
+        with self.lock:
             self._takes.append(ticket)
             self._serve()
-            try:
-                while not ticket.done:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
-            finally:
-                if not ticket.done:  # timed out, or interrupted (KeyboardInterrupt)
-                    self._takes.remove(ticket)
-                    self._serve()  # the take behind it may be satisfied already
-            if not ticket.done:
-                raise TimeoutError(
-                    f"take_grad({num_required}) timed out after {timeout} s with "
-                    f"{self.count} gradient(s) accumulated; nothing was taken"
-                )
+        try:
+            while not ticket.event.is_set():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                ticket.event.wait(remaining)
+        finally:
+            if not ticket.event.is_set():  # timed out, or interrupted (KeyboardInterrupt)
+                with self.lock:
+                    if not ticket.done:  # not served in the meantime: withdraw it
+                        self._takes.remove(ticket)
+                        self._serve()  # the take behind it may be satisfied already
+                        count = self.count
+        if not ticket.done:
+            raise TimeoutError(
+                f"take_grad({num_required}) timed out after {timeout} s with "
+                f"{count} gradient(s) accumulated; nothing was taken"
+            )
         if ticket.error is not None:
             raise ticket.error
         return ticket.result
@@ -319,40 +351,40 @@ class _Core:
         ticket = self._takes.popleft()
         try:
             with self.precision():
-                ticket.result = self._release()
-            self.global_step += 1
-            self.count = 0
+                result = self._release()
         except Exception as e:  # a device failure: the waiting thread re-raises it
-            ticket.error = e
-        ticket.done = True
-        self._cond.notify_all()
+            ticket.finish(error=e)
+            return
+        self.global_step += 1
+        self.count = 0
+        ticket.finish(result)
 
     def _release(self) -> Any:
         raise NotImplementedError
 
     def cancel_waiting_takes(self) -> int:
-        with self._cond:
+        with self.lock:
             cancelled = len(self._takes)
             for ticket in self._takes:
-                ticket.error = concurrent.futures.CancelledError(
-                    f"take_grad({ticket.num_required}) was cancelled while waiting"
+                ticket.finish(
+                    error=concurrent.futures.CancelledError(
+                        f"take_grad({ticket.num_required}) was cancelled while waiting"
+                    )
                 )
-                ticket.done = True
             self._takes.clear()
-            self._cond.notify_all()
         return cancelled
 
     def num_waiting_takes(self) -> int:
-        with self._cond:
+        with self.lock:
             return len(self._takes)
 
     def num_accumulated(self) -> int:
-        with self._cond:
+        with self.lock:
             return self.count
 
     def set_global_step(self, new_global_step: Any) -> None:
         step = _check_step("new_global_step", new_global_step)
-        with self._cond:
+        with self.lock:
             if step < self.global_step:
                 warnings.warn(
                     f"set_global_step({step}) lowers the accumulator's global step from "
@@ -363,9 +395,16 @@ class _Core:
 
 
 class _DenseCore(_Core):
+    """The aggregate on the device, plus up to `_MAX_PENDING - 1` accepted gradients not
+    yet added: they are added in one pass, which reads and writes the aggregate once
+    per batch instead of once per gradient (same rounding as one add at a time).
+    """
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.aggregate: jax.Array | None = None  # None while count == 0
+        self.aggregate: jax.Array | None = None  # None until the first flush after a take
+        self.pending: list[tuple[jax.Array, bool]] = []  # (gradient, ours to donate)
+        self.grad_shape: tuple[int, ...] | None = None  # fixed until the next take
 
     def apply(self, grad: Any, local_step: Any) -> bool:
         step = _check_step("local_step", local_step)
@@ -376,26 +415,40 @@ class _DenseCore(_Core):
                 f"{_fmt(self.shape)}, got {tuple(grad.shape)}"
             )
         finite = self.finite(grad) if self.skip_nonfinite else True
-        with self.precision():
-            grad = jax.device_put(grad, self.device)
+        grad, owned = self.to_device(grad)
         with self.applying(step, finite) as accept:
-            if self.aggregate is not None and grad.shape != self.aggregate.shape:
+            if self.grad_shape is not None and grad.shape != self.grad_shape:
                 raise ValueError(
-                    f"grad shape mismatch: expected {tuple(self.aggregate.shape)} (fixed by "
-                    f"the first gradient since the last take), got {tuple(grad.shape)}"
+                    f"grad shape mismatch: expected {self.grad_shape} (fixed by the first "
+                    f"gradient since the last take), got {tuple(grad.shape)}"
                 )
             if accept:
-                with self.precision():
-                    if self.aggregate is None:
-                        self.aggregate = _copy_as(grad, self.acc_dtype)
-                    else:
-                        self.aggregate = _add(self.aggregate, grad)
+                self.grad_shape = tuple(grad.shape)
+                self.pending.append((grad, owned))
+                if len(self.pending) == _MAX_PENDING:
+                    self._flush()
         return accept
 
+    def _flush(self) -> None:
+        """Adds the pending gradients to the aggregate in one kernel (lock held)."""
+        grads = tuple(g for g, _ in self.pending)
+        with self.precision():
+            if self.aggregate is not None:
+                # At most one add in flight: applies never outrun the device.
+                self.aggregate.block_until_ready()
+                self.aggregate = _add(self.aggregate, grads)
+            elif len(grads) == 1 and self.pending[0][1] and grads[0].dtype == self.acc_dtype:
+                self.aggregate = grads[0]  # our own copy already: adopt it
+            else:
+                self.aggregate = _sum_as(grads, dtype=self.acc_dtype)
+        self.pending = []
+
     def _release(self) -> jax.Array:
-        aggregate, self.aggregate = self.aggregate, None
-        if not self.mean and aggregate.dtype == self.dtype:
-            return aggregate
+        if self.pending:
+            self._flush()
+        aggregate, self.aggregate, self.grad_shape = self.aggregate, None, None
+        if (not self.mean or self.count == 1) and aggregate.dtype == self.dtype:
+            return aggregate  # nothing to divide or cast
         reduce = _reduce_in_place if aggregate.dtype == self.dtype else _reduce_copy
         return reduce(aggregate, _common.int32(self.count), mean=self.mean, dtype=self.dtype)
 
@@ -496,8 +549,7 @@ class _SparseCore(_Core):
             padded[:nnz] = np.asarray(values)
             values = padded
         finite = self.finite(values) if self.skip_nonfinite else True
-        with self.precision():
-            values = jax.device_put(values, self.device)
+        values, _ = self.to_device(values)
         unique, inverse = np.unique(host, return_inverse=True)
         with self.applying(step, finite) as accept:
             if self.values_shape is not None and (
@@ -541,6 +593,7 @@ class _SparseCore(_Core):
             self.rows = _grow(self.rows, capacity=self.capacity)
         per_value = np.full(values.shape[0], self.capacity, np.int32)  # padding: dropped
         per_value[:nnz] = slots[inverse.reshape(-1)]
+        self.rows.block_until_ready()  # at most one scatter in flight, as for dense adds
         self.rows = _scatter_add(self.rows, per_value, values)
 
     def _release(self) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
@@ -652,19 +705,19 @@ class _HostAccumulator:
     @property
     def global_step(self) -> int:
         """The accumulator's global step (not in TF, which only sets it)."""
-        with self._core._cond:
+        with self._core.lock:
             return self._core.global_step
 
     @property
     def num_dropped(self) -> int:
         """Stale gradients dropped so far (not in TF)."""
-        with self._core._cond:
+        with self._core.lock:
             return self._core.num_dropped
 
     @property
     def num_nonfinite(self) -> int:
         """Gradients skipped for holding NaN or Inf (only with `skip_nonfinite=True`)."""
-        with self._core._cond:
+        with self._core.lock:
             return self._core.num_nonfinite
 
     def num_accumulated(self) -> int:

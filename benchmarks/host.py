@@ -1,0 +1,345 @@
+"""Are the host accumulators at least as fast as TensorFlow's own?
+
+Workloads, each from 1 and from 4 actor threads, every apply tagged with a far-future
+`local_step` so nothing is ever stale:
+
+  apply  T threads apply K gradients each, then one take collects them all (its cost
+         is included, and forces the asynchronous JAX work to finish): gradients/s.
+  take   a learner calls `take_grad(T)` K times while T actor threads keep applying;
+         each taken aggregate is materialised: takes/s.
+
+Gradients: dense, 1M float32 (NumPy arrays, as actors produce them); sparse, 4096
+sorted unique rows of 64 float32 out of a 100k-row table, from a pool of 8, reduced by
+MEAN. Both sides get identical inputs.
+
+TensorFlow is not a dependency. Install it into its own environment (it pins its own
+numpy) and point the script at that interpreter:
+
+    python3 -m venv /tmp/tfvenv && /tmp/tfvenv/bin/pip install tensorflow-cpu
+    python benchmarks/host.py --tf-python /tmp/tfvenv/bin/python
+
+The TF half then runs in a subprocess that takes one measurement per request, so the
+two sides are measured in interleaved rounds on the same machine; the figures are
+medians over rounds. TF's dense accumulator runs eagerly (`tf.compat.v1.
+ConditionalAccumulator`); its sparse one only exists in graph mode, so it runs through
+a `tf.compat.v1.Session` with fed placeholders, as TF1 code used it. Without
+`--tf-python` (and with TF not importable here), only our figures are printed.
+
+Prints a table with the ratio ours/TF (target: >= 1.0, at least as fast) and writes
+`benchmarks/results/host.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DENSE_SIZE = 1 << 20
+ROWS, ROW_DIM, NNZ, POOL = 100_000, 64, 4096, 8
+FUTURE = 10**9  # a local_step no take ever makes stale
+RESULTS = Path(__file__).resolve().parent / "results"
+CASES = [(kind, op, t) for kind in ("dense", "sparse") for op in ("apply", "take") for t in (1, 4)]
+
+
+def gradients(kind: str) -> list:
+    rng = np.random.default_rng(0)
+    if kind == "dense":
+        return [rng.standard_normal(DENSE_SIZE, np.float32) for _ in range(POOL)]
+    return [
+        (
+            np.sort(rng.choice(ROWS, NNZ, replace=False)).astype(np.int64),
+            rng.standard_normal((NNZ, ROW_DIM), np.float32),
+        )
+        for _ in range(POOL)
+    ]
+
+
+# --------------------------------------------------------------------------- the two sides
+
+
+class Ours:
+    """optax_accum's host objects (imported lazily: the TF worker has no JAX)."""
+
+    name = "optax_accum"
+
+    def __init__(self) -> None:
+        import jax
+
+        import optax_accum
+
+        self.jax, self.lib = jax, optax_accum
+
+    def make(self, kind: str) -> Any:
+        if kind == "dense":
+            return self.lib.ConditionalAccumulator(np.float32, shape=(DENSE_SIZE,))
+        return self.lib.SparseConditionalAccumulator(np.float32, shape=(ROWS, ROW_DIM))
+
+    def apply(self, acc: Any, kind: str, grad: Any) -> None:
+        if kind == "dense":
+            acc.apply_grad(grad, local_step=FUTURE)
+        else:
+            acc.apply_grad(grad[0], grad[1], local_step=FUTURE)
+
+    def take(self, acc: Any, kind: str, n: int) -> None:
+        self.jax.block_until_ready(acc.take_grad(n, timeout=600))
+
+
+class TensorFlow:
+    """TF's own accumulators: dense eagerly, sparse through a v1 Session."""
+
+    name = "tensorflow"
+
+    def __init__(self) -> None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import tensorflow as tf
+
+        self.tf = tf
+        self.version = tf.__version__
+        # Eager accumulators without a shared_name share one resource name, and
+        # deleting one destroys the next one's resource: keep every one alive, named.
+        self.alive: list = []
+
+    def make(self, kind: str) -> Any:
+        tf = self.tf
+        if kind == "dense":
+            acc = tf.compat.v1.ConditionalAccumulator(
+                tf.float32, shape=(DENSE_SIZE,), shared_name=f"bench{len(self.alive)}"
+            )
+            self.alive.append(acc)
+            return acc
+        graph = tf.Graph()
+        with graph.as_default():
+            acc = tf.compat.v1.SparseConditionalAccumulator(tf.float32, shape=(ROWS, ROW_DIM))
+            indices = tf.compat.v1.placeholder(tf.int64, [None])
+            values = tf.compat.v1.placeholder(tf.float32, [None, ROW_DIM])
+            n = tf.compat.v1.placeholder(tf.int32, [])
+            ops = {
+                "apply": acc.apply_grad(indices, values, local_step=FUTURE),
+                "take": acc.take_grad(n),
+                "indices": indices,
+                "values": values,
+                "n": n,
+            }
+        return tf.compat.v1.Session(graph=graph), ops
+
+    def apply(self, acc: Any, kind: str, grad: Any) -> None:
+        if kind == "dense":
+            acc.apply_grad(grad, local_step=FUTURE)
+        else:
+            session, ops = acc
+            session.run(ops["apply"], {ops["indices"]: grad[0], ops["values"]: grad[1]})
+
+    def take(self, acc: Any, kind: str, n: int) -> None:
+        if kind == "dense":
+            acc.take_grad(n).numpy()  # an eager CPU tensor: a view, no copy
+        else:
+            session, ops = acc
+            session.run(ops["take"], {ops["n"]: n})
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def measure(side: Any, kind: str, op: str, threads: int, per_thread: int, grads: list) -> float:
+    """One timed run of a workload on a fresh accumulator; returns events per second."""
+    acc = side.make(kind)
+    side.apply(acc, kind, grads[0])  # warm up every kernel this run will use
+    side.take(acc, kind, 1)
+    errors: list[BaseException] = []
+
+    def guarded(fn: Any) -> Any:
+        def run(*args: Any) -> None:
+            try:
+                fn(*args)
+            except BaseException as e:
+                errors.append(e)
+
+        return run
+
+    if op == "apply":
+
+        def actor(seed: int) -> None:
+            for i in range(per_thread):
+                side.apply(acc, kind, grads[(seed + i) % len(grads)])
+
+        workers = [threading.Thread(target=guarded(actor), args=(s,)) for s in range(threads)]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(600)
+        side.take(acc, kind, threads * per_thread)
+        elapsed = time.perf_counter() - start
+        events = threads * per_thread
+    else:
+        stop = threading.Event()
+
+        def actor(seed: int) -> None:
+            i = seed
+            while not stop.is_set():
+                side.apply(acc, kind, grads[i % len(grads)])
+                i += 1
+
+        workers = [threading.Thread(target=guarded(actor), args=(s,)) for s in range(threads)]
+        for w in workers:
+            w.start()
+        start = time.perf_counter()
+        for _ in range(per_thread):
+            side.take(acc, kind, threads)
+        elapsed = time.perf_counter() - start
+        stop.set()
+        for w in workers:
+            w.join(600)
+        events = per_thread
+    if errors:
+        raise errors[0]
+    return events / elapsed
+
+
+def tf_worker() -> None:
+    """Serves measurements for the parent, one JSON request per line on stdin."""
+    side = TensorFlow()
+    cache = {kind: gradients(kind) for kind in ("dense", "sparse")}
+    print(json.dumps({"version": side.version}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        rate = measure(side, req["kind"], req["op"], req["threads"], req["k"], cache[req["kind"]])
+        print(json.dumps({"rate": rate}), flush=True)
+
+
+class RemoteTF:
+    """The TF side, running `tf_worker` under another interpreter."""
+
+    def __init__(self, python: str) -> None:
+        self.proc = subprocess.Popen(
+            [python, __file__, "--tf-worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = self.proc.stdout.readline()
+        if not hello:
+            raise RuntimeError(f"the TF worker under {python} failed to start")
+        self.version = json.loads(hello)["version"]
+
+    def measure(self, kind: str, op: str, threads: int, k: int) -> float:
+        request = {"kind": kind, "op": op, "threads": threads, "k": k}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["rate"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def tf_in_process() -> Any:
+    try:
+        side = TensorFlow()
+    except ImportError:
+        return None
+    cache = {kind: gradients(kind) for kind in ("dense", "sparse")}
+
+    class Local:
+        version = side.version
+
+        def measure(self, kind: str, op: str, threads: int, k: int) -> float:
+            return measure(side, kind, op, threads, k, cache[kind])
+
+        def close(self) -> None:
+            pass
+
+    return Local()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tf-python", help="a Python interpreter that can import tensorflow")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dense-k", type=int, default=100, help="gradients per thread")
+    parser.add_argument("--sparse-k", type=int, default=50, help="gradients per thread")
+    parser.add_argument("--out", type=Path, default=RESULTS / "host.json")
+    parser.add_argument("--tf-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tf_worker:
+        tf_worker()
+        return
+
+    ours = Ours()
+    tf = RemoteTF(args.tf_python) if args.tf_python else tf_in_process()
+    if tf is None:
+        print("TensorFlow is not importable here and --tf-python was not given: no ratios.")
+    grads = {kind: gradients(kind) for kind in ("dense", "sparse")}
+    k = {"dense": args.dense_k, "sparse": args.sparse_k}
+    samples: dict[str, dict[str, list[float]]] = {
+        f"{kind}_{op}_{t}t": {"ours": [], "tf": []} for kind, op, t in CASES
+    }
+    try:
+        # Round 0 warms up (compilations, allocator, buffer growth) and is discarded.
+        for round_ in range(args.rounds + 1):
+            for kind, op, t in CASES:
+                key = f"{kind}_{op}_{t}t"
+                rate = measure(ours, kind, op, t, k[kind], grads[kind])
+                theirs = tf.measure(kind, op, t, k[kind]) if tf is not None else None
+                if round_:
+                    samples[key]["ours"].append(rate)
+                    samples[key]["tf"].append(theirs)
+    finally:
+        if tf is not None:
+            tf.close()
+
+    unit = {"apply": "grads/s", "take": "takes/s"}
+    print(f"{'workload':<18}{'optax_accum':>14}{'tensorflow':>14}{'ratio':>8}  target >= 1.0")
+    figures = {}
+    for kind, op, t in CASES:
+        key = f"{kind}_{op}_{t}t"
+        mine = statistics.median(samples[key]["ours"])
+        theirs = statistics.median(samples[key]["tf"]) if tf is not None else None
+        ratio = mine / theirs if theirs else None
+        figures[key] = {"unit": unit[op], "optax_accum": mine, "tensorflow": theirs, "ratio": ratio}
+        tf_text = f"{theirs:>14.1f}" if theirs else f"{'-':>14}"
+        ratio_text = f"{ratio:>8.2f}" if ratio else f"{'-':>8}"
+        met = "" if ratio is None else ("  met" if ratio >= 1.0 else "  NOT met")
+        print(f"{key + ' ' + unit[op]:<18}{mine:>14.1f}{tf_text}{ratio_text}{met}")
+
+    report = {
+        "script": "host.py",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
+        "tensorflow": tf.version if tf is not None else None,
+        "setup": {
+            "dense_size": DENSE_SIZE,
+            "sparse": {"rows": ROWS, "row_dim": ROW_DIM, "nnz": NNZ, "pool": POOL},
+            "rounds": args.rounds,
+            "per_thread": k,
+        },
+        "figures": figures,
+        "samples": samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
