@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -177,6 +178,53 @@ def full_size_copies(contender: Contender) -> int:
     return sum(1 for ln in lines if " copy(" in ln and "[]" not in ln.split(" copy(")[0])
 
 
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s*=\s*(\w+)\[([\d,]*)\]\S*\s+([\w-]+)\((.*)")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.-]+)\s.*\{\s*$")
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while"}
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_ITEMSIZE |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def hlo_traffic(contender: Contender) -> dict[str, int]:
+    """Bytes read and written per call, from the optimized HLO, without a clock.
+
+    Every array-valued instruction run at the top level (fusions, copies, ...) counts
+    its result and each array operand once. `skipped` is a call where 0-or-1-trip loops
+    do not run (a held step), `taken` one where they run once (an emitting step).
+    """
+    comps: dict[str, list[str]] = {}
+    entry = current = None
+    for line in contender.compiled.as_text().splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+
+    def traffic(name: str) -> tuple[int, list[str]]:
+        sizes: dict[str, int] = {}
+        total, loops = 0, []
+        for line in comps[name]:
+            if " while(" in line:
+                loops.append(re.search(r"body=%([\w.-]+)", line).group(1))
+            d = _DEFINITION.match(line)
+            if d is None:
+                continue
+            dims = [int(x) for x in d.group(3).split(",") if x]
+            sizes[d.group(1)] = int(np.prod(dims)) * _ITEMSIZE[d.group(2)]
+            if dims and d.group(4) not in _NO_TRAFFIC:
+                operands = re.findall(r"%([\w.-]+)", d.group(5).split("),")[0])
+                total += sizes[d.group(1)] + sum(sizes.get(o, 0) for o in operands)
+        return total, loops
+
+    skipped, loops = traffic(entry)
+    return {"skipped": skipped, "taken": skipped + sum(traffic(b)[0] for b in loops)}
+
+
 def bench(param_dtype: Any, rounds: int) -> dict:
     """Every measurement for one parameter dtype."""
     params = random_tree(param_dtype, 0)
@@ -245,9 +293,20 @@ def bench(param_dtype: Any, rounds: int) -> dict:
         "d_temp_bytes_vs_multisteps": mem["train_ours"]["temp_bytes"]
         / max(mem["train_multisteps"]["temp_bytes"], 1),
     }
+    traffic = {k: hlo_traffic(c) for k, c in contenders.items()}
+    ours_cycle = (EVERY - 1) * traffic["train_ours"]["skipped"] + traffic["train_ours"]["taken"]
+    traffic_ratios = {
+        "a_train_step_speedup_vs_multisteps": EVERY
+        * traffic["train_multisteps"]["taken"]
+        / ours_cycle,
+        "b_held_update_vs_floor": traffic["held_update"]["skipped"] / traffic["floor"]["taken"],
+        "c_emit_update_vs_adam": traffic["emit_update"]["taken"] / traffic["adam_update"]["taken"],
+    }
     return {
         "param_dtype": jnp.dtype(param_dtype).name,
         "ratios": ratios,
+        "hlo_traffic_ratios": traffic_ratios,
+        "hlo_traffic_bytes": traffic,
         "ratios_of_fastest": {
             "a_train_step_speedup_vs_multisteps": min(samples["train_multisteps"])
             / min(samples["train_ours"]),
@@ -285,6 +344,10 @@ def main() -> None:
         f32, bf16 = (runs[k]["ratios"][name] for k in ("float32", "bfloat16"))
         verdicts = f"{verdict(name, f32)} / {verdict(name, bf16).split()[-1]}"
         print(f"{name:42} {f32:8.2f} {bf16:8.2f}  {verdicts}")
+    print(f"{'same, in bytes moved per the optimized HLO':42} {'float32':>8} {'bfloat16':>8}")
+    for name in runs["float32"]["hlo_traffic_ratios"]:
+        f32, bf16 = (runs[k]["hlo_traffic_ratios"][name] for k in ("float32", "bfloat16"))
+        print(f"{name:42} {f32:8.2f} {bf16:8.2f}")
     for dtype, run in runs.items():
         ms = {k: round(1e3 * v, 2) for k, v in run["median_seconds_per_call"].items()}
         print(f"{dtype} median ms per call: {ms}")
