@@ -138,28 +138,32 @@ def _check_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
-def _check_shape(shape: Any) -> Shape | None:
+def _check_shape(shape: Any, name: str = "shape") -> Shape | None:
     """None (unknown rank) or a tuple whose unknown dims are None (-1 also means unknown)."""
     if shape is None:
         return None
     if isinstance(shape, int | np.integer):
         shape = (shape,)
     try:
-        dims = list(shape)
+        dims = [] if isinstance(shape, str) else list(shape)
     except TypeError:
         raise TypeError(
-            f"shape must be None or a sequence of ints (None or -1 for unknown dims), got {shape!r}"
+            f"{name} must be None or a sequence of ints (None or -1 for unknown dims), "
+            f"got {shape!r}"
         ) from None
     out: list[int | None] = []
     for d in dims:
-        if d is None or (isinstance(d, int | np.integer) and not isinstance(d, bool) and d == -1):
+        is_int = isinstance(d, int | np.integer) and not isinstance(d, bool)
+        if d is None or (is_int and d == -1):
             out.append(None)
-        elif isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0:
+        elif is_int and d >= 0:
             out.append(int(d))
         else:
-            raise ValueError(
-                f"shape must hold non-negative ints (None or -1 for unknown dims), got {shape!r}"
-            )
+            break
+    if isinstance(shape, str) or len(out) != len(dims):
+        raise ValueError(
+            f"{name} must hold non-negative ints (None or -1 for unknown dims), got {shape!r}"
+        )
     return tuple(out)
 
 
@@ -205,9 +209,12 @@ def _as_array(x: Any, dtype: np.dtype, what: str) -> Any:
     numbers and nested lists are converted to `dtype` (as TF converts them)."""
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         try:
-            x = np.asarray(x, dtype)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{what} must be an array or nested list of numbers ({e})") from None
+            converted = np.asarray(x)
+        except (TypeError, ValueError):  # ragged lists
+            converted = np.asarray(None)
+        if converted.dtype.kind not in "iuf":  # None would become NaN, True 1.0
+            raise TypeError(f"{what} must be an array or nested list of numbers, got {x!r:.80}")
+        x = converted.astype(dtype)
     if jnp.dtype(x.dtype) != dtype:
         raise TypeError(f"{what} must have the accumulator's dtype {dtype.name}, got {x.dtype}")
     return x
@@ -492,7 +499,7 @@ class _SparseCore(_Core):
                 f"rows, got {values.shape[0]}"
             )
         known = self.shape
-        grad_shape = _check_shape(grad_shape) if grad_shape is not None else None
+        grad_shape = _check_shape(grad_shape, "grad_shape")
         if grad_shape and known is not None:
             if len(grad_shape) < len(known):
                 raise ValueError(

@@ -215,7 +215,8 @@ def test_partially_known_shape():
 def test_rejected_gradient_leaves_aggregate_untouched():
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
     acc.apply_grad(f32([1, 2]))
-    for bad in (f32([1, 2, 3]), np.array([1, 2], np.int32), np.zeros(2), "x", [[1.0, 2.0]]):
+    bads = (f32([1, 2, 3]), np.array([1, 2], np.int32), np.zeros(2), "x", [[1.0, 2.0]], None)
+    for bad in (*bads, [True, False], [[1.0], [2.0, 3.0]]):
         with pytest.raises((TypeError, ValueError)):
             acc.apply_grad(bad)
     for bad_step in (1.0, "0", None, True):

@@ -121,6 +121,8 @@ def test_grad_shape_limits_indices_too():
     acc = optax_accum.SparseConditionalAccumulator(np.float32)
     with pytest.raises(ValueError, match=r"grad_indices\[0\] = 5 exceeds grad_shape\[0\] = 3"):
         acc.apply_grad([5], f32([[1]]), grad_shape=(3, 1))
+    with pytest.raises(ValueError, match=r"grad_shape must hold non-negative ints.*got '5,1'"):
+        acc.apply_grad([5], f32([[1]]), grad_shape="5,1")
     assert acc.apply_grad([5], f32([[1]]), grad_shape=())  # empty: no shape given
 
 
