@@ -18,6 +18,7 @@ SECTIONS: dict[str, str] = {
     "accumulate": "optax_accum.demo.accumulate:run",
     "agn": "optax_accum.demo.agn:run",
     "data_parallel": "optax_accum.demo.data_parallel:run",
+    "sparse": "optax_accum.demo.sparse:run",
 }
 
 
