@@ -62,6 +62,16 @@ class SparseConditionalAccumulatorState(NamedTuple):
       accumulator: the params' tree, holding a `RowBuffer` for each sparse leaf and the
         running sum (per replica under an `axis_name`) for each dense leaf.
       inner_state: the wrapped optimizer's state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=1)
+      >>> state = tx.init(jnp.zeros((4, 2)))
+      >>> g = optax_accum.IndexedSlices(jnp.array([0, 3]), jnp.ones((2, 2)), (4, 2))
+      >>> _, state = tx.update(g, state)  # two rows do not fit in capacity 1
+      >>> int(state.count), int(state.num_overflowed), type(state.accumulator).__name__
+      (0, 1, 'RowBuffer')
     """
 
     global_step: jax.Array
