@@ -273,6 +273,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dense-k", type=int, default=100, help="gradients per thread")
     parser.add_argument("--sparse-k", type=int, default=50, help="gradients per thread")
+    parser.add_argument("--only", default="", help="run the workloads whose name has this")
     parser.add_argument("--out", type=Path, default=RESULTS / "host.json")
     parser.add_argument("--tf-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -286,13 +287,14 @@ def main() -> None:
         print("TensorFlow is not importable here and --tf-python was not given: no ratios.")
     grads = {kind: gradients(kind) for kind in ("dense", "sparse")}
     k = {"dense": args.dense_k, "sparse": args.sparse_k}
+    cases = [(kind, op, t) for kind, op, t in CASES if args.only in f"{kind}_{op}_{t}t"]
     samples: dict[str, dict[str, list[float]]] = {
-        f"{kind}_{op}_{t}t": {"ours": [], "tf": []} for kind, op, t in CASES
+        f"{kind}_{op}_{t}t": {"ours": [], "tf": []} for kind, op, t in cases
     }
     try:
         # Round 0 warms up (compilations, allocator, buffer growth) and is discarded.
         for round_ in range(args.rounds + 1):
-            for kind, op, t in CASES:
+            for kind, op, t in cases:
                 key = f"{kind}_{op}_{t}t"
                 rate = measure(ours, kind, op, t, k[kind], grads[kind])
                 theirs = tf.measure(kind, op, t, k[kind]) if tf is not None else None
@@ -306,7 +308,7 @@ def main() -> None:
     unit = {"apply": "grads/s", "take": "takes/s"}
     print(f"{'workload':<18}{'optax_accum':>14}{'tensorflow':>14}{'ratio':>8}  target >= 1.0")
     figures = {}
-    for kind, op, t in CASES:
+    for kind, op, t in cases:
         key = f"{kind}_{op}_{t}t"
         mine = statistics.median(samples[key]["ours"])
         theirs = statistics.median(samples[key]["tf"]) if tf is not None else None

@@ -83,14 +83,27 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()
 
 
-def _reduce(aggregate: jax.Array, count: jax.Array, *, mean: bool, dtype: Any) -> jax.Array:
+def _finish(
+    aggregate: jax.Array | None,
+    grads: tuple[jax.Array, ...],
+    count: jax.Array,
+    *,
+    mean: bool,
+    acc_dtype: Any,
+    dtype: Any,
+) -> jax.Array:
+    """The take's answer in one pass: the last pending gradients added, then the MEAN."""
+    total = aggregate
+    for grad in grads:
+        total = grad.astype(acc_dtype) if total is None else total + grad.astype(acc_dtype)
     if mean:
-        aggregate = aggregate / count.astype(aggregate.dtype)
-    return aggregate.astype(dtype)
+        total = total / count.astype(acc_dtype)
+    return total.astype(dtype)
 
 
-_reduce_in_place = jax.jit(_reduce, donate_argnums=0, static_argnames=("mean", "dtype"))
-_reduce_copy = jax.jit(_reduce, static_argnames=("mean", "dtype"))
+_FINISH_STATIC = ("mean", "acc_dtype", "dtype")
+_finish_in_place = jax.jit(_finish, donate_argnums=0, static_argnames=_FINISH_STATIC)
+_finish_copy = jax.jit(_finish, static_argnames=_FINISH_STATIC)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -117,6 +130,15 @@ def _gather(
 
 _gather_in_place = jax.jit(_gather, donate_argnums=0, static_argnames=("mean", "dtype"))
 _gather_copy = jax.jit(_gather, static_argnames=("mean", "dtype"))
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised NumPy array whose data is 64-byte aligned, as XLA's CPU client
+    needs to use host memory in place."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _bucket(n: int) -> int:
@@ -280,12 +302,18 @@ class _Core:
     def to_device(self, x: Any) -> tuple[jax.Array, bool]:
         """`x` on the accumulator's device, and whether that buffer is ours to donate.
 
-        NumPy input is copied (the caller may reuse it) to the default device, the
-        fastest transfer JAX offers; a caller's JAX array is never donated.
+        NumPy input is copied, since the caller may reuse it; a caller's JAX array is
+        never donated. On a CPU device the copy is NumPy's (it releases the GIL, so a
+        learner thread is not starved by busy actors) into an aligned buffer that JAX
+        then adopts without a second copy.
         """
         with self.precision():
             if not isinstance(x, jax.Array):
-                return jax.device_put(x), True
+                if self.device.platform != "cpu":
+                    return jax.device_put(x), True
+                staged = _aligned_empty(x.shape, x.dtype)
+                np.copyto(staged, x)
+                return jax.device_put(staged, may_alias=True), True
             if x.sharding.device_set == {self.device}:
                 return x, False
             return jax.device_put(x, self.device), True
@@ -451,13 +479,21 @@ class _DenseCore(_Core):
         self.pending = []
 
     def _release(self) -> jax.Array:
-        if self.pending:
-            self._flush()
-        aggregate, self.aggregate, self.grad_shape = self.aggregate, None, None
-        if (not self.mean or self.count == 1) and aggregate.dtype == self.dtype:
-            return aggregate  # nothing to divide or cast
-        reduce = _reduce_in_place if aggregate.dtype == self.dtype else _reduce_copy
-        return reduce(aggregate, _common.int32(self.count), mean=self.mean, dtype=self.dtype)
+        aggregate, pending = self.aggregate, self.pending
+        self.aggregate, self.pending, self.grad_shape = None, [], None
+        if aggregate is None and len(pending) == 1 and pending[0][1]:
+            aggregate, pending = pending[0][0], []  # our own copy of the only gradient
+        if not pending and (not self.mean or self.count == 1) and aggregate.dtype == self.dtype:
+            return aggregate  # nothing to add, divide or cast
+        finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
+        return finish(
+            aggregate,
+            tuple(g for g, _ in pending),
+            _common.int32(self.count),
+            mean=self.mean,
+            acc_dtype=self.acc_dtype,
+            dtype=self.dtype,
+        )
 
 
 class _SparseCore(_Core):
@@ -607,7 +643,7 @@ class _SparseCore(_Core):
         n = self.sorted_rows.shape[0]
         dims = (self.shape[0] if self.shape and self.shape[0] is not None else -1,)
         dims += tuple(self.values_shape[1:])
-        indices = jax.device_put(self.sorted_rows.astype(np.int32), self.device)
+        indices, _ = self.to_device(self.sorted_rows.astype(np.int32))
         if n == 0:
             values = jnp.zeros((0, *self.values_shape[1:]), self.dtype)
         else:
@@ -618,7 +654,7 @@ class _SparseCore(_Core):
             gather = _gather_in_place if self.rows.dtype == self.dtype else _gather_copy
             taken = gather(self.rows, order, counts, mean=self.mean, dtype=self.dtype)
             # Cut to the n real rows on the host: a device slice compiles once per n.
-            values = jax.device_put(np.asarray(taken)[:n], self.device)
+            values, _ = self.to_device(np.asarray(taken)[:n])
         self._reset()
         return indices, values, dims
 

@@ -279,7 +279,7 @@ def test_attributes_and_lower_step_warns():
 
 
 def _dense_cache_sizes():
-    kernels = (host._sum_as, host._add, host._reduce_in_place, host._reduce_copy)
+    kernels = (host._sum_as, host._add, host._finish_in_place, host._finish_copy)
     return [k._cache_size() for k in kernels]
 
 
