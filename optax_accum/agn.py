@@ -10,6 +10,7 @@ and the centre lives in the state, so it checkpoints with everything else.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -30,7 +31,11 @@ class AGNState(NamedTuple):
       count: int32, local steps since the last sync (0 right after one), so
         `num_accumulated(state)` is the number of gradients in this round.
       num_nonfinite: int32, gradients skipped for holding a NaN or Inf (only with
-        `skip_nonfinite=True`; this replica's own count, never all-reduced).
+        `skip_nonfinite=True`) in the rounds completed so far, summed over the
+        replicas at each sync, so it is the same on every replica.
+      round_nonfinite: int32 of shape (1,), this replica's skipped gradients in the
+        current round (added to `num_nonfinite` at the next sync). A vector, so that
+        under `jax.shard_map` the workers' counts can be split over the mesh axis.
       emitted: bool, whether the last `update` was a sync step (the centre moved and
         the local parameters were pulled to it).
       accumulator: the sum of this round's raw gradients, in the accumulator dtype
@@ -44,6 +49,7 @@ class AGNState(NamedTuple):
     global_step: jax.Array
     count: jax.Array
     num_nonfinite: jax.Array
+    round_nonfinite: jax.Array
     emitted: jax.Array
     accumulator: optax.Updates
     centre: optax.Params
@@ -129,8 +135,8 @@ def agn(
         and bfloat16 params, the params' dtype otherwise.
       skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped (the local
         step still counts, so replicas stay in step, but neither `inner` nor the
-        accumulator sees it) and counted in `num_nonfinite`. By default it is used as
-        given, as TF does.
+        accumulator sees it) and counted in `round_nonfinite`, then in
+        `num_nonfinite` at the sync. By default it is used as given, as TF does.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AGNState`.
@@ -176,10 +182,13 @@ def agn(
         accumulator = (
             () if delta else jax.tree.map(lambda p: jnp.zeros_like(p, sum_dtype(p)), params)
         )
+        leaves = jax.tree.leaves(params)
+        like = leaves[0] if leaves else jnp.zeros(())
         return AGNState(
             global_step=_common.int32(0),  # one buffer per field, so state can be donated
             count=_common.int32(0),
             num_nonfinite=_common.int32(0),
+            round_nonfinite=jnp.zeros_like(like, jnp.int32, shape=(1,)),
             emitted=jnp.asarray(False),
             accumulator=accumulator,
             # A copy: outside jit, asarray would alias the params' buffers, and a train
@@ -207,25 +216,25 @@ def agn(
 
         local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         accumulator = state.accumulator
-        num_nonfinite = state.num_nonfinite
+        round_nonfinite = state.round_nonfinite
         if skip_nonfinite:
             finite = _common.all_finite(updates)
             local_updates = _common.tree_select(
                 finite, local_updates, optax.tree.zeros_like(local_updates)
             )
             inner_state = _common.tree_select(finite, inner_state, state.inner_state)
-            num_nonfinite = _common.saturating_add(num_nonfinite, (~finite).astype(jnp.int32))
+            round_nonfinite = _common.saturating_add(round_nonfinite, (~finite).astype(jnp.int32))
         else:
             finite = jnp.asarray(True)
         if not delta:
             accumulator = jax.tree.map(
-                lambda a, g: jnp.where(finite, a + g.astype(a.dtype), a), accumulator, updates
+                functools.partial(_common.add_where, finite), accumulator, updates
             )
         count = state.count + 1
         sync = count >= period
 
         def commit_round(carry):
-            accumulator, centre, outer_state = carry
+            accumulator, centre, outer_state, num_nonfinite, round_nonfinite = carry
             if delta:
                 local = optax.apply_updates(params, local_updates)
                 pseudo = jax.tree.map(
@@ -240,10 +249,19 @@ def agn(
             pseudo = optax.tree.cast_like(pseudo, centre)
             outer_updates, outer_state = outer.update(pseudo, outer_state, centre, **extra_args)
             centre = optax.apply_updates(centre, outer_updates)
-            return optax.tree.zeros_like(accumulator), centre, outer_state
+            if skip_nonfinite:
+                skipped = round_nonfinite[0]
+                if axis_name is not None:
+                    skipped = lax.psum(skipped, axis_name)
+                num_nonfinite = _common.saturating_add(num_nonfinite, skipped)
+                round_nonfinite = jnp.zeros_like(round_nonfinite)
+            zeros = optax.tree.zeros_like(accumulator)
+            return zeros, centre, outer_state, num_nonfinite, round_nonfinite
 
-        accumulator, centre, outer_state = _common.apply_if(
-            sync, commit_round, (accumulator, state.centre, state.outer_state)
+        accumulator, centre, outer_state, num_nonfinite, round_nonfinite = _common.apply_if(
+            sync,
+            commit_round,
+            (accumulator, state.centre, state.outer_state, state.num_nonfinite, round_nonfinite),
         )
         pull = optax.tree.cast_like(jax.tree.map(lambda c, p: c - p, centre, params), local_updates)
         new_updates = _common.tree_select(sync, pull, local_updates)
@@ -251,6 +269,7 @@ def agn(
             global_step=jnp.where(sync, optax.safe_increment(state.global_step), state.global_step),
             count=jnp.where(sync, 0, count),
             num_nonfinite=num_nonfinite,
+            round_nonfinite=round_nonfinite,
             emitted=sync,
             accumulator=accumulator,
             centre=centre,

@@ -149,7 +149,8 @@ def _scan_fn(period, commit, momentum, skip):
         params, state = carry
         updates, state = tx.update(g, state, params)
         params = optax.apply_updates(params, updates)
-        return (params, state), (params, state.centre, state.count, state.num_nonfinite)
+        skipped = (state.num_nonfinite, state.round_nonfinite[0])
+        return (params, state), (params, state.centre, state.count, skipped)
 
     run = jax.jit(lambda p, gs: jax.lax.scan(body, (p, tx.init(p)), gs)[1])
     return run, inner, outer
@@ -172,7 +173,7 @@ def test_matches_numpy_model(period, commit, momentum, skip, seed):
         grads[t, rng.integers(DIM)] = rng.choice([np.nan, np.inf])
     run, inner, outer = _scan_fn(period, commit, momentum, skip)
     p0 = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
-    local, centre, count, nonfinite = run(jnp.asarray(p0), jnp.asarray(grads))
+    local, centre, count, (done, pending) = run(jnp.asarray(p0), jnp.asarray(grads))
     expected = np_agn(
         lambda w, t, p: None if t in bad else grads[t], p0, period, steps, inner, outer, commit
     )
@@ -180,7 +181,9 @@ def test_matches_numpy_model(period, commit, momentum, skip, seed):
         np.testing.assert_allclose(local[t], exp_local[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(centre[t], exp_centre, rtol=1e-5, atol=1e-5)
         assert int(count[t]) == (t + 1) % period
-        assert int(nonfinite[t]) == sum(s <= t for s in bad)
+        completed = (t + 1) // period * period  # steps in the rounds completed by t
+        assert int(done[t]) == sum(s < completed for s in bad)
+        assert int(done[t]) + int(pending[t]) == sum(s <= t for s in bad)
 
 
 def test_delta_commit_equals_gradient_commit_for_constant_lr_sgd():
@@ -260,23 +263,29 @@ def _state_specs(tx):
     return optax_accum.state_partition_specs(tx, jnp.zeros((1, DIM)), _mesh(), param_axes=("w",))
 
 
+NO_POISON = np.zeros((WORKERS, 1), bool)
+
+
 def _shard_map_step(tx):
     """One AGN step under shard_map; each worker's params are a (1, DIM) block."""
     per_worker, specs = P("w"), _state_specs(tx)
     assert specs.centre == P() and specs.global_step == P()
 
-    def step(params, state, a, b):
-        updates, state = tx.update(a * (params - b), state, params)
+    def step(params, state, a, b, poison):
+        grads = jnp.where(poison, jnp.inf, a * (params - b))  # poison: (1, 1) per worker
+        updates, state = tx.update(grads, state, params)
         every_copy = jax.lax.pcast(state.centre, "w", to="varying")
         return optax.apply_updates(params, updates), state, every_copy
 
-    fn = jax.shard_map(
-        step,
-        mesh=_mesh(),
-        in_specs=(per_worker, specs, per_worker, per_worker),
-        out_specs=(per_worker, specs, per_worker),
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=_mesh(),
+            in_specs=(per_worker, specs, per_worker, per_worker, per_worker),
+            out_specs=(per_worker, specs, per_worker),
+        )
     )
-    return jax.jit(fn)
+    return fn
 
 
 def _shard_map_init(tx, p0):
@@ -294,7 +303,7 @@ def test_eight_workers_shard_map(commit, inner, outer):
     step = _shard_map_step(tx)
     for r, expected in enumerate(_multi_reference(commit, inner, outer)):
         for _ in range(PERIOD):
-            params, state, copies = step(params, state, a, b)
+            params, state, copies = step(params, state, a, b, NO_POISON)
         copies = np.asarray(copies)
         assert np.all(copies == copies[0]), "workers disagree on the centre"
         np.testing.assert_allclose(copies[0], expected, rtol=1e-5, atol=1e-6)
@@ -356,22 +365,20 @@ def test_shard_map_init_inside_scan_keeps_types_and_branch_invariant(commit):
 
 
 def test_nonfinite_gradient_on_one_worker_is_skipped_there_only():
+    """Under shard_map: the skip is local, the count is summed over workers at the sync."""
     inner, outer = NpSGD(0.1, 0.9), NpSGD(0.2)
     tx = optax_accum.agn(inner.optax(), 2, axis_name="w", outer=outer.optax(), skip_nonfinite=True)
+    assert _state_specs(tx).round_nonfinite == P("w")
     a, b = _worker_problem()
     poisoned = (3, 1)  # worker 3's gradient at step 1 holds an Inf
-
-    def step(params, state, a, b, poison):
-        grads = jnp.where(poison, jnp.inf, a * (params - b))
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0), axis_name="w"))
-    params = jnp.zeros((WORKERS, DIM), jnp.float32)
-    state = jax.vmap(tx.init)(params)
+    p0 = jnp.zeros((1, DIM), jnp.float32)
+    params, state = jnp.tile(p0, (WORKERS, 1)), _shard_map_init(tx, p0)
+    step = _shard_map_step(tx)
     for t in range(4):
-        poison = jnp.asarray([(w, t) == poisoned for w in range(WORKERS)])[:, None]
-        params, state = step(params, state, a, b, poison)
+        poison = np.array([[(w, t) == poisoned] for w in range(WORKERS)])
+        params, state, copies = step(params, state, a, b, poison)
+        if t == 1:  # the round with the skip just ended
+            assert int(state.num_nonfinite) == 1
     expected = np_agn(
         lambda w, t, p: None if (w, t) == poisoned else a[w] * (p - b[w]),
         np.zeros(DIM),
@@ -381,8 +388,9 @@ def test_nonfinite_gradient_on_one_worker_is_skipped_there_only():
         outer,
         workers=WORKERS,
     )[-1][1]
-    np.testing.assert_allclose(np.asarray(state.centre[0]), expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(state.num_nonfinite), np.eye(WORKERS)[3])
+    np.testing.assert_allclose(np.asarray(copies), np.tile(expected, (WORKERS, 1)), rtol=1e-5)
+    assert int(state.num_nonfinite) == 1
+    np.testing.assert_array_equal(np.asarray(state.round_nonfinite), 0)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves((params, state)))
 
 
@@ -423,7 +431,8 @@ def test_hlo_shard_map_all_reduce_only_inside_conditional():
     a, b = _worker_problem()
     p0 = jnp.zeros((1, DIM))
     state = _shard_map_init(tx, p0)
-    hlo = _shard_map_step(tx).lower(jnp.tile(p0, (WORKERS, 1)), state, a, b).compile().as_text()
+    params = jnp.tile(p0, (WORKERS, 1))
+    hlo = _shard_map_step(tx).lower(params, state, a, b, NO_POISON).compile().as_text()
     _assert_collective_only_in_conditional(hlo)
 
 
