@@ -6,8 +6,9 @@ learner calls `take_grad(num_required)`, which blocks until that many up-to-date
 gradients have arrived and returns their mean. `ConditionalAccumulator` and
 `SparseConditionalAccumulator` are the same objects in Python. The bookkeeping (step,
 counter, the queue of waiting takes) is plain Python under one lock; the aggregate
-lives on a JAX device and is updated by jitted kernels that donate its buffer, so an
-apply costs one fused add and nothing recompiles for same-shape gradients.
+lives on a JAX device and is updated by jitted kernels that donate its buffer (dense
+gradients are added up to four at a time in one pass, sparse rows scattered into a
+buffer that grows by powers of two), and nothing recompiles for same-shape gradients.
 
 Rules shared by both (TF's, see SEMANTICS.md sections 1 and 2):
 
@@ -810,8 +811,11 @@ class ConditionalAccumulator(_HostAccumulator):
     resets the counter and aggregate. Takes queue first come, first served. See the
     module docstring for the shared rules (timeouts, cancellation, `shared_name`).
 
-    The aggregate is a JAX array on the default device, updated in place by a jitted,
-    buffer-donating add; `take_grad` returns a `jax.Array` of `dtype`.
+    The aggregate is a JAX array on the default device, updated in place by jitted,
+    buffer-donating adds (up to four accepted gradients wait to be added in one pass;
+    the take adds the rest and divides in the same pass); `take_grad` returns a
+    `jax.Array` of `dtype`. NumPy gradients are copied at once, so actors may reuse
+    their buffers.
 
     Differences from TF: every gradient is validated, stale or not; float16 and
     bfloat16 accumulate in float32 (returned in `dtype`); bfloat16 is supported and
