@@ -334,37 +334,21 @@ def densify() -> optax.GradientTransformationExtraArgs:
       [-1.0, -0.0]
     """
 
-    def init_fn(params: optax.Params) -> optax.EmptyState:
-        del params
-        return optax.EmptyState()
+    def to_dense(path: Any, u: Any, p: Any = None) -> Any:
+        if not isinstance(u, IndexedSlices):
+            return u
+        where = f"updates{jax.tree_util.keystr(path)}"
+        if p is not None:
+            check_against(p, u, where)
+            return scatter_add(jnp.zeros(jnp.shape(p), u.values.dtype), u)
+        check_indices(u, what=where)
+        return u.to_dense()
 
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.EmptyState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.EmptyState]:
-        del extra_args
+    def densify_tree(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
+        trees = (updates,) if params is None else (updates, params)
+        return jax.tree_util.tree_map_with_path(to_dense, *trees, is_leaf=is_indexed_slices)
 
-        def to_dense(path: Any, u: Any, p: Any = None) -> Any:
-            if not isinstance(u, IndexedSlices):
-                return u
-            where = f"updates{jax.tree_util.keystr(path)}"
-            if p is not None:
-                check_against(p, u, where)
-                return scatter_add(jnp.zeros(jnp.shape(p), u.values.dtype), u)
-            check_indices(u, what=where)
-            return u.to_dense()
-
-        if params is None:
-            return jax.tree_util.tree_map_with_path(
-                to_dense, updates, is_leaf=is_indexed_slices
-            ), state
-        return jax.tree_util.tree_map_with_path(
-            to_dense, updates, params, is_leaf=is_indexed_slices
-        ), state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.with_extra_args_support(optax.stateless(densify_tree))
 
 
 __all__ = ["IndexedSlices", "apply_updates", "densify"]

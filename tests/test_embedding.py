@@ -54,9 +54,8 @@ def test_matches_dense_value_and_grad():
     params = model.init(jax.random.key(0), ids)["params"]
     sparse_fn = jax.jit(optax_accum.embedding_value_and_grad(_loss(model), has_aux=True))
     (value, logits), grads = sparse_fn(params, ids, labels)
-    (dense_value, dense_logits), dense = jax.value_and_grad(_loss(model), has_aux=True)(
-        params, ids, labels
-    )
+    dense_fn = jax.jit(jax.value_and_grad(_loss(model), has_aux=True))
+    (dense_value, dense_logits), dense = dense_fn(params, ids, labels)
     np.testing.assert_allclose(value, dense_value, rtol=1e-6)
     np.testing.assert_allclose(logits, dense_logits, rtol=1e-6)
     tokens = grads["tokens"]["embedding"]
