@@ -314,6 +314,18 @@ def test_callers_arrays_are_never_donated(reduction):
     np.testing.assert_array_equal(np.asarray(g1) + np.asarray(g2), [4, 4, 4])
 
 
+def test_numpy_gradients_are_copied_at_apply():
+    # Actors reuse their buffers: what counts is the value at the time of the apply,
+    # although up to four accepted gradients wait to be added in one pass.
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(4,), reduction_type="SUM")
+    buffer = np.zeros(4, np.float32)
+    for i in range(6):
+        buffer[:] = i
+        acc.apply_grad(buffer)
+    buffer[:] = 100
+    np.testing.assert_array_equal(take(acc), np.full(4, 15.0))
+
+
 # --------------------------------------------------------------------------- reference model
 
 
