@@ -113,10 +113,15 @@ def _scatter_add(rows: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Ar
     return rows.at[slots].add(values.astype(rows.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames="capacity")
-def _grow(rows: jax.Array, capacity: int) -> jax.Array:
-    grown = jnp.zeros((capacity, *rows.shape[1:]), rows.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(grown, rows, 0, axis=0)
+@functools.partial(jax.jit, static_argnames=("capacity", "dtype"))
+def _scatter_fresh(
+    rows: jax.Array | None, slots: jax.Array, values: jax.Array, capacity: int, dtype: Any
+) -> jax.Array:
+    """`_scatter_add` into a new buffer of `capacity` rows holding `rows` (or zeros)."""
+    fresh = jnp.zeros((capacity, *values.shape[1:]), dtype)
+    if rows is not None:
+        fresh = jax.lax.dynamic_update_slice_in_dim(fresh, rows, 0, axis=0)
+    return fresh.at[slots].add(values.astype(dtype), mode="drop")
 
 
 def _gather(
@@ -629,16 +634,18 @@ class _SparseCore(_Core):
         self.row_counts = np.concatenate([self.row_counts, np.zeros(new_rows.shape[0], np.int64)])
         self.row_counts[slots] += 1
         needed = n + new_rows.shape[0]
-        if self.rows is None:
-            self.capacity = max(self.capacity, _bucket(needed))
-            self.rows = jnp.zeros((self.capacity, *values.shape[1:]), self.acc_dtype)
-        elif needed > self.capacity:
-            self.capacity = _bucket(needed)
-            self.rows = _grow(self.rows, capacity=self.capacity)
+        fresh = self.rows is None or needed > self.capacity
+        if fresh:  # a new buffer: the first rows since the take, or grown
+            self.capacity = max(self.capacity if self.rows is None else 0, _bucket(needed))
         per_value = np.full(values.shape[0], self.capacity, np.int32)  # padding: dropped
         per_value[:nnz] = slots[inverse.reshape(-1)]
-        self.rows.block_until_ready()  # at most one scatter in flight, as for dense adds
-        self.rows = _scatter_add(self.rows, per_value, values)
+        if fresh:
+            self.rows = _scatter_fresh(
+                self.rows, per_value, values, capacity=self.capacity, dtype=self.acc_dtype
+            )
+        else:
+            self.rows.block_until_ready()  # at most one scatter in flight, as dense adds
+            self.rows = _scatter_add(self.rows, per_value, values)
 
     def _release(self) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
         n = self.sorted_rows.shape[0]

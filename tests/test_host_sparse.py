@@ -208,7 +208,7 @@ def test_grows_past_any_capacity():
 
 
 def _sparse_cache_sizes():
-    kernels = (host._scatter_add, host._grow, host._gather_in_place, host._gather_copy)
+    kernels = (host._scatter_add, host._scatter_fresh, host._gather_in_place, host._gather_copy)
     return [k._cache_size() for k in kernels]
 
 
