@@ -49,7 +49,7 @@ _INSTRUCTION = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(_OPS) + r")(
 _ARRAY = re.compile(r"\b(pred|[su]8|[su]16|[su]32|[su]64|bf16|f16|f32|f64)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _GATED = re.compile(r"(?:branch_computations=\{(?P<branches>[^}]*)\}|body=%?(?P<body>[\w.\-]+))")
-_CALLS = re.compile(r"\bcalls=%?(?P<callee>[\w.\-]+)")
+_CALLS = re.compile(r"\b(?:calls|to_apply)=%?(?P<callee>[\w.\-]+)")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
 
 
@@ -116,7 +116,8 @@ def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
     return {"every_step": always, "when_taken": gated}
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """Bytes as "12 B" or "19.2 kB"."""
     return f"{n} B" if n < 1000 else f"{n / 1e3:.1f} kB"
 
 
@@ -125,7 +126,7 @@ def describe(counts: dict[str, dict[str, int]]) -> str:
 
     def part(c: dict[str, int]) -> str:
         ops = [op for op in _OPS if c.get(op)]
-        return ", ".join(f"{c[op]} {op} ({_size(c[op + ' bytes'])})" for op in ops) or "none"
+        return ", ".join(f"{c[op]} {op} ({format_bytes(c[op + ' bytes'])})" for op in ops) or "none"
 
     every, taken = part(counts["every_step"]), part(counts["when_taken"])
     return every if taken == "none" else f"{every}; +{taken} when taken"
