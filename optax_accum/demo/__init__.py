@@ -24,7 +24,7 @@ SECTIONS: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """Knobs every section reads; `--scale` multiplies the step counts."""
+    """Knobs every section reads, set by `--steps`, `--batch` and `--seed`."""
 
     steps: int = 300
     batch: int = 32
