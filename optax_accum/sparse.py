@@ -21,7 +21,7 @@ from optax_accum import _common
 from optax_accum.accumulator import NumRequired, _num_required_fn
 from optax_accum.indexed_slices import (
     IndexedSlices,
-    check_against,
+    check_indices,
     is_indexed_slices,
     scatter_add,
 )
@@ -143,7 +143,11 @@ def _check_updates(updates: Any, accumulator: Any) -> None:
             )
         if isinstance(u, IndexedSlices):
             table = (a.slot_of.shape[0], *a.values.shape[1:]) if _is_buffer(a) else a.shape
-            check_against(jax.ShapeDtypeStruct(table, jnp.float32), u, where)
+            if u.dense_shape[1:] != tuple(table[1:]) or u.dense_shape[0] not in (-1, table[0]):
+                raise ValueError(
+                    f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}"
+                )
+            check_indices(u, what=where)
             if not jnp.issubdtype(u.values.dtype, jnp.floating):
                 raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
         else:

@@ -364,7 +364,11 @@ def test_trace_time_errors_for_bad_gradients():
     update(ok, state)
     cases = [
         ({**ok, "e": jnp.zeros((ROWS, 2))}, TypeError, r"updates\['e'\] must be an IndexedSlices"),
-        ({**ok, "d": _g([0], [1], (3,))}, ValueError, r"updates\['d'\] has dense_shape"),
+        (
+            {**ok, "d": _g([0], [1], (3,))},
+            ValueError,
+            r"updates\['d'\] must have dense_shape \(2,\), got \(3,\)",
+        ),
         ({**ok, "e": _g([0], [[1, 1]], (ROWS + 1, 2))}, ValueError, "dense_shape"),
         ({**ok, "e": _g([0], [[1, 1, 1]], (ROWS, 3))}, ValueError, "dense_shape"),
         ({**ok, "d": jnp.zeros(3)}, ValueError, "shape"),
