@@ -4,7 +4,7 @@ Two helpers for data-parallel training with `jax.shard_map`:
 `replica_group_mesh` lays devices out so that replica subgroups become a mesh axis
 (the fast path for `cross_shard(group_assignment=...)` on a pod), and
 `state_partition_specs` works out which leaves of a transform's state differ between
-replicas, so users need not write the state's `PartitionSpec`s by hand.
+replicas, so users need not write the state's partition specs by hand.
 """
 
 from __future__ import annotations
@@ -154,12 +154,12 @@ def state_partition_specs(
     per-replica `accumulator` gets `P(axis)` and its counters `P()`, and
     `cross_shard_optimizer`'s whole state is `P()`.
 
-    Use the specs as `in_specs`/`out_specs` for the state, and create the state with
+    Use the specs as the state's `in_specs` and `out_specs`, and create the state with
     `jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)`.
 
     Args:
       tx: the transform, built with the mesh's axis names where it takes one.
-      params: the (replicated) params, or matching `jax.ShapeDtypeStruct`s.
+      params: the (replicated) params, or matching `jax.ShapeDtypeStruct` values.
       mesh: the mesh `tx.update` will run under.
       grads: an example of one replica's gradients (arrays or ShapeDtypeStructs).
         Default: shaped like `params`.
@@ -170,7 +170,7 @@ def state_partition_specs(
         traced as replicated values.
 
     Returns:
-      A pytree of `PartitionSpec`s with the structure of `tx.init(params)`.
+      A pytree of `PartitionSpec` leaves with the structure of `tx.init(params)`.
 
     Raises:
       ValueError: when a scalar state leaf differs between replicas (a scalar cannot

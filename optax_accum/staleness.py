@@ -29,6 +29,14 @@ class DropStaleGradientsState(NamedTuple):
       num_dropped: int32, the number of updates dropped as too stale.
       emitted: bool, whether the last `update` was accepted (and ran `inner`).
       inner_state: the wrapped optimizer's state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.drop_stale_gradients(optax.sgd(1.0), staleness=0)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> _, state = tx.update(jnp.ones(1), state, local_step=-1)  # lag 1: dropped
+      >>> int(state.global_step), int(state.num_dropped), bool(state.emitted)
+      (0, 1, False)
     """
 
     global_step: jax.Array
