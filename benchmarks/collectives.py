@@ -162,48 +162,24 @@ def main() -> None:
     mesh = _mesh_1d()
     group_mesh = optax_accum.replica_group_mesh(GROUPS_2x4)
     bf16 = jnp.bfloat16
+    # name -> (axis_name, cross_shard options); "replica" is the inner axis of the
+    # replica_group_mesh, reduced under a shard_map over both of its axes.
     variants = {
-        "per leaf, float32": (optax_accum.cross_shard("i"), mesh, "i"),
-        "pack": (optax_accum.cross_shard("i", pack=True), mesh, "i"),
-        "bfloat16 wire": (
-            optax_accum.cross_shard("i", communication_dtype=bf16),
-            mesh,
-            "i",
-        ),
-        "bfloat16 wire + pack": (
-            optax_accum.cross_shard("i", communication_dtype=bf16, pack=True),
-            mesh,
-            "i",
-        ),
-        "groups 2x4, 1-D axis": (
-            optax_accum.cross_shard("i", group_assignment=GROUPS_2x4),
-            mesh,
-            "i",
-        ),
-        "groups 2x4, 1-D axis + pack": (
-            optax_accum.cross_shard("i", group_assignment=GROUPS_2x4, pack=True),
-            mesh,
-            "i",
-        ),
-        "groups 4x2, 1-D axis + pack": (
-            optax_accum.cross_shard("i", group_assignment=GROUPS_4x2, pack=True),
-            mesh,
-            "i",
-        ),
-        "groups 2x4, replica_group_mesh": (
-            optax_accum.cross_shard("replica"),
-            group_mesh,
-            ("group", "replica"),
-        ),
-        "groups 2x4, replica_group_mesh + pack": (
-            optax_accum.cross_shard("replica", pack=True),
-            group_mesh,
-            ("group", "replica"),
-        ),
+        "per leaf, float32": ("i", {}),
+        "pack": ("i", {"pack": True}),
+        "bfloat16 wire": ("i", {"communication_dtype": bf16}),
+        "bfloat16 wire + pack": ("i", {"communication_dtype": bf16, "pack": True}),
+        "groups 2x4, 1-D axis": ("i", {"group_assignment": GROUPS_2x4}),
+        "groups 2x4, 1-D axis + pack": ("i", {"group_assignment": GROUPS_2x4, "pack": True}),
+        "groups 4x2, 1-D axis + pack": ("i", {"group_assignment": GROUPS_4x2, "pack": True}),
+        "groups 2x4, replica_group_mesh": ("replica", {}),
+        "groups 2x4, replica_group_mesh + pack": ("replica", {"pack": True}),
     }
     rows: dict[str, dict[str, Any]] = {}
     compiled: dict[str, tuple[Any, Any]] = {}
-    for name, (tx, m, axes) in variants.items():
+    for name, (axis, options) in variants.items():
+        tx = optax_accum.cross_shard(axis, **options)
+        m, axes = (group_mesh, ("group", "replica")) if axis == "replica" else (mesh, "i")
         lowered, fn, arg = _cross_shard_step(tx, m, axes, grads)
         rows[name] = _summary(lowered, fn)
         compiled[name] = (fn, arg)
