@@ -339,5 +339,45 @@ def test_replica_invariant_gradient_under_shard_map_raises():
         return jax.jit(fn)(jnp.ones(1), jnp.arange(8.0))
 
     np.testing.assert_array_equal(run(True), [3.5])  # the mean of the replicas' gradients
-    with pytest.raises(ValueError, match="must differ per replica of axis 'i'.*pcast"):
+    with pytest.raises(ValueError, match=r"must differ per replica of axis 'i'.*pcast"):
         run(False)
+
+
+@pytest.mark.parametrize(
+    ("options", "all_reduces", "itemsize"),
+    [
+        ({}, 3, 4),
+        ({"pack": True}, 1, 4),
+        ({"communication_dtype": jnp.bfloat16}, 3, 2),
+        ({"communication_dtype": jnp.bfloat16, "pack": True}, 1, 2),
+    ],
+)
+def test_emitted_collectives_per_option(options, all_reduces, itemsize):
+    """What benchmarks/collectives.py reports, checked on the HLO JAX emits."""
+    from optax_accum.demo.data_parallel import count_collectives
+
+    grads = {k: jnp.zeros((8, 4, n)) for k, n in (("a", 1), ("b", 2), ("c", 3))}
+    tx = cross_shard("i", **options)
+    lowered = mapped(lambda g: tx.update(g, tx.init(g))[0], "shard_map", 8).lower(grads)
+    counts = count_collectives(lowered.as_text(dialect="hlo"))["every_step"]
+    assert counts["all-reduce"] == all_reduces
+    assert counts["all-reduce bytes"] == 4 * (1 + 2 + 3) * itemsize
+
+
+def test_groups_on_a_1d_shard_map_axis_use_permutes_with_the_stated_cost():
+    """Groups of k on n replicas: k - 1 permutes while k(k-1) < 2(n-1), else one
+    all-reduce of an n/k times larger buffer."""
+    from optax_accum.demo.data_parallel import count_collectives
+
+    def counts(groups):
+        tx = cross_shard("i", group_assignment=groups)
+        fn = mapped(lambda g: tx.update(g, tx.init(g))[0], "shard_map", 8)
+        return count_collectives(fn.lower(jnp.zeros((8, 5))).as_text(dialect="hlo"))
+
+    two_by_four = counts([[0, 3, 5, 6], [1, 2, 4, 7]])["every_step"]
+    assert two_by_four == {"collective-permute": 3, "collective-permute bytes": 3 * 20}
+    assert counts([[i] for i in range(8)])["every_step"] == {}  # groups of one: identity
+    one_hot = cs_module._one_hot_group_sum
+    fn = mapped(lambda g: one_hot(g, "i", ((0, 3, 5, 6), (1, 2, 4, 7))), "shard_map", 8)
+    buffer = count_collectives(fn.lower(jnp.zeros((8, 5))).as_text(dialect="hlo"))
+    assert buffer["every_step"] == {"all-reduce": 1, "all-reduce bytes": 2 * 20}
