@@ -6,16 +6,32 @@ The examples themselves run as doctests (pytest's --doctest-modules over optax_a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import pathlib
+import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import optax_accum
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+TF1_BLOCKS = [b for b in PYTHON_BLOCKS if b.startswith("# TF1")]
+EXAMPLES = [b for b in PYTHON_BLOCKS if not b.startswith("# TF1")]  # runnable
+COLAB_URL = "https://colab.research.google.com/github/optax-accum/optax_accum/blob/main/"
+TF_ORIGINALS = (
+    "tf.ConditionalAccumulator",
+    "tf.sparse.SparseConditionalAccumulator",
+    "tf.tpu.CrossShardOptimizer",
+    "tf.contrib.opt.DropStaleGradientOptimizer",
+    "tf.contrib.opt.AGNOptimizer",
+)
 
 
 def test_all_names_exist():
@@ -45,3 +61,31 @@ def test_sphinx_builds_the_api_reference_without_warnings(tmp_path):
     api = (tmp_path / "api.html").read_text()
     undocumented = [n for n in optax_accum.__all__ if f'id="optax_accum.{n}"' not in api]
     assert not undocumented
+
+
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+def test_readme_python_example_runs(index):
+    # As a user runs it: standard dtype promotion, a fresh namespace.
+    with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(EXAMPLES[index], f"README.md example {index}", "exec"), {})
+
+
+def test_readme_pairs_each_tf_original_with_optax_accum_code():
+    tf_blocks = [
+        b for b in re.findall(r"```python\n(.*?)```", README, re.S) if b.startswith("# TF1")
+    ]
+    for name in TF_ORIGINALS:
+        assert any(name in block for block in tf_blocks), name
+
+
+def test_readme_links_every_notebook_with_its_colab_badge():
+    notebooks = sorted((ROOT / "colab").glob("*.ipynb"))
+    assert notebooks
+    for path in notebooks:
+        assert f"](colab/{path.name})" in README, path.name
+        assert (
+            f"colab.research.google.com/github/optax-accum/optax_accum/blob/main/colab/{path.name}"
+            in README
+        )
+    for target in re.findall(r"\]\((?!https?://)([^)#]+)\)", README):
+        assert (ROOT / target).exists(), target
