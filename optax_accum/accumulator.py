@@ -56,6 +56,31 @@ def _num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Arr
     return lambda step: _common.int32(k)
 
 
+def _zeros_from(like: Any, sources: Any) -> Any:
+    """Zeros shaped like `like`, each leaf written by its own broadcast.
+
+    XLA merges equal broadcasts of the constant 0 into one buffer and then copies it
+    into every output leaf: a read and a write more per leaf. A zero computed from
+    the matching leaf of `sources` (|x| * 0 for its first element x when finite, else
+    0: always +0.0) is a different value to XLA, so nothing is merged or copied.
+    Plain zeros where that cannot apply: other tree structures, empty leaves, and
+    sources that vary over mesh axes `like` does not (their zeros would vary too).
+    """
+    if jax.tree.structure(like) != jax.tree.structure(sources):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+
+    def zeros(s: Any, source: jax.Array) -> jax.Array:
+        aval = s if isinstance(s, jax.ShapeDtypeStruct) else jax.typeof(s)
+        varying = _common._varying_axes(jax.typeof(source)) - _common._varying_axes(aval)
+        if source.size == 0 or varying:
+            return jnp.zeros(s.shape, s.dtype)
+        x = source.reshape(-1)[0]
+        zero = jnp.where(jnp.isfinite(x), jnp.abs(x) * 0, 0).astype(s.dtype)
+        return jnp.broadcast_to(zero, s.shape)
+
+    return jax.tree.map(zeros, like, sources)
+
+
 def conditional_accumulator(
     inner: optax.GradientTransformation,
     num_required: NumRequired,
@@ -175,9 +200,11 @@ def conditional_accumulator(
         def accumulate(a: jax.Array, g: jax.Array) -> jax.Array:
             return jnp.where(accepted, a + g.astype(a.dtype), a)
 
+        # Three 0-or-1-trip loops (see _common.apply_if), so that each step does only
+        # its own work, in place on the donated state (benchmarks/NOTES.md):
+        # on release, the inner optimizer reads the sum as it fuses the last gradient
+        # in, then the accumulator is zeroed; otherwise the gradient is added.
         def release(carry):
-            # The accumulator rides in the carry unchanged (a closed-over one would be
-            # copied into the loop); the sum fuses into the inner optimizer's pass.
             _, inner_state, accumulator = carry
             total = jax.tree.map(accumulate, accumulator, updates)
             if axis_name is not None:
@@ -186,16 +213,17 @@ def conditional_accumulator(
                 total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
             aggregate = optax.tree.cast_like(total, updates)
             new_updates, inner_state = inner.update(aggregate, inner_state, params, **extra_args)
-            return new_updates, inner_state, accumulator
+            return new_updates, inner_state, accumulator  # read here, zeroed below
 
-        # Held: zeros, and the inner state passes through in place.
-        held = _common.zero_updates(inner, updates, state.inner_state, params, **extra_args)
+        # Shapes, dtypes and (under shard_map) varying axes of a release's updates.
+        released, _, _ = jax.eval_shape(release, ((), state.inner_state, state.accumulator))
+        held = _zeros_from(released, updates)
         new_updates, inner_state, accumulator = _common.apply_if(
             emit, release, (held, state.inner_state, state.accumulator)
         )
-        # One fused pass: the new sum when held, zeros after a release.
-        accumulator = jax.tree.map(
-            lambda a, g: jnp.where(emit, jnp.zeros_like(a), accumulate(a, g)), accumulator, updates
+        accumulator = _common.apply_if(emit, lambda acc: _zeros_from(acc, updates), accumulator)
+        accumulator = _common.apply_if(
+            ~emit, lambda acc: jax.tree.map(accumulate, acc, updates), accumulator
         )
         new_state = ConditionalAccumulatorState(
             global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
