@@ -51,11 +51,19 @@ def _grads(case: Case, i: int) -> Any:
     return jax.tree.map(lambda *x: jnp.stack(x), *reps)
 
 
-def _mapped(case: Case, step: Any) -> Any:
-    """`step(state, grads, extra)` jitted, under vmap(axis_name) when the case needs it."""
+def _run(case: Case, step: Any, state: Any) -> Any:
+    """`STEPS` jitted `step(state, grads, extra)` calls on the case's gradient stream.
+
+    Under `needs_axis`, `REPLICAS` copies of `state` run under vmap(axis_name), and
+    replica 0's final state comes back.
+    """
     if case.needs_axis:
+        state = _stack(state)
         step = jax.vmap(step, in_axes=(0, 0, None), axis_name=AXIS)
-    return jax.jit(step)
+    fn = jax.jit(step)
+    for i in range(STEPS):
+        state = fn(state, _grads(case, i), case.extra_args(i))
+    return _first(state) if case.needs_axis else state
 
 
 def _make(case: Case) -> optax.GradientTransformationExtraArgs:
@@ -83,17 +91,11 @@ def test_linen_train_state_loop_matches_optax_loop(case):
     model = _CaseModel(case)
     params = model.init(jax.random.key(0))["params"]
     state = optax_accum.TrainState.create(apply_fn=model.apply, params=params, tx=_make(case))
-    if case.needs_axis:
-        state = _stack(state)
 
     def step(state, grads, extra):
         return state.apply_gradients(grads=grads, **extra)
 
-    fn = _mapped(case, step)
-    for i in range(STEPS):
-        state = fn(state, _grads(case, i), case.extra_args(i))
-    if case.needs_axis:
-        state = _first(state)
+    state = _run(case, step, state)
 
     want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
     assert int(state.step) == STEPS
@@ -128,19 +130,13 @@ def test_nnx_optimizer_loop_matches_optax_loop(case):
     model = _NNXModel(case.params())
     optimizer = nnx.Optimizer(model, _make(case), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
-    if case.needs_axis:
-        state = _stack(state)
 
     def step(state, grads, extra):
         model, optimizer = nnx.merge(graphdef, state)
         optimizer.update(model, nnx.state(_NNXModel(grads), nnx.Param), **extra)
         return nnx.state((model, optimizer))
 
-    fn = _mapped(case, step)
-    for i in range(STEPS):
-        state = fn(state, _grads(case, i), case.extra_args(i))
-    if case.needs_axis:
-        state = _first(state)
+    state = _run(case, step, state)
     model, optimizer = nnx.merge(graphdef, state)
 
     want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
@@ -164,8 +160,6 @@ def test_nnx_functional_loop_with_sparse_gradients_matches_optax_loop(case):
     graphdef, model_state = nnx.split(model)
     opt_state = tx.init(_nnx_params(model))
     state = (model_state, opt_state)
-    if case.needs_axis:
-        state = _stack(state)
 
     def step(state, grads, extra):
         model = nnx.merge(graphdef, state[0])
@@ -176,11 +170,7 @@ def test_nnx_functional_loop_with_sparse_gradients_matches_optax_loop(case):
         nnx.update(model, new)
         return nnx.state(model), opt_state
 
-    fn = _mapped(case, step)
-    for i in range(STEPS):
-        state = fn(state, _grads(case, i), case.extra_args(i))
-    if case.needs_axis:
-        state = _first(state)
+    state = _run(case, step, state)
 
     want_params, want_state, _ = trajectory(case, STEPS, axis=AXIS)
     got = _nnx_params(nnx.merge(graphdef, state[0]))
