@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 import optax_accum
 from optax_accum import IndexedSlices
@@ -109,6 +110,27 @@ def _mesh() -> jax.sharding.Mesh:
 
 def _train_state() -> optax_accum.TrainState:
     return optax_accum.TrainState.create(apply_fn=None, params=PARAMS, tx=_accumulate())
+
+
+class _Tied(nn.Module):
+    """An embedding whose table is also the output layer (attend): not row-sparse."""
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(10, 2)
+        return embed.attend(embed(ids)).sum()
+
+
+def _tied_params():
+    return _Tied().init(jax.random.key(0), jnp.zeros(1, int))["params"]
+
+
+def _tied_loss(params, ids):
+    return _Tied().apply({"params": params}, ids)
+
+
+def _embed_loss(params, ids):
+    return nn.Embed(10, 2).apply({"params": params}, ids).sum()
 
 
 UNBOUND = r"axis_name='i' is not bound here.*jax\.pmap, jax\.shard_map or jax\.vmap"
@@ -618,6 +640,14 @@ BAD: list[Bad] = [
         ValueError,
         UNBOUND,
     ),
+    # ---------------------------------------------------------------- embedding_value_and_grad
+    Bad(
+        "embedding_value_and_grad/tied table used by attend",
+        lambda: optax_accum.embedding_value_and_grad(_tied_loss)(_tied_params(), jnp.array([1])),
+        ValueError,
+        r"nn\.Embed at \('Embed_0',\) is used by attend\(\).*not row-sparse; use "
+        r"jax\.value_and_grad",
+    ),
     # ---------------------------------------------------------------- state accessors
     Bad(
         "global_step/no step state",
@@ -896,6 +926,12 @@ STATEFUL_BAD: list[HostBad] = [
         r"grad must have a shape compatible with the accumulator's shape \(2,\), got \(3,\)",
     ),
     _dense(
+        "apply_grad/None",
+        lambda a: a.apply_grad(None),
+        TypeError,
+        r"grad must be an array or nested list of numbers, got None",
+    ),
+    _dense(
         "apply_grad/local_step=1.0",
         lambda a: a.apply_grad(DENSE_GRAD, local_step=1.0),
         TypeError,
@@ -1008,6 +1044,12 @@ STATEFUL_BAD: list[HostBad] = [
         lambda a: a.apply_grad(np.array([0]), ROW, grad_shape=[5, 2]),
         ValueError,
         r"grad_shape dim 0 must be 4 \(the accumulator's shape \(4, 2\)\), got 5",
+    ),
+    _sparse_host(
+        "apply_grad/grad_shape str",
+        lambda a: a.apply_grad(np.array([0]), ROW, grad_shape="4,2"),
+        ValueError,
+        r"grad_shape must hold non-negative ints \(None or -1 for unknown dims\), got '4,2'",
     ),
     _sparse_host(
         "apply_grad/local_step=0.5",
@@ -1191,23 +1233,21 @@ PENDING: list[tuple[Bad, str]] = [
     ),
     (
         Bad(
-            "SparseConditionalAccumulator.apply_grad/grad_shape='4,2'",
-            lambda: optax_accum.SparseConditionalAccumulator(F32, shape=(4, 2)).apply_grad(
-                [0], ROW, grad_shape="4,2"
-            ),
-            ValueError,
-            r"grad_shape must hold non-negative ints.*got '4,2'",
+            "embedding_value_and_grad/loss_fn not callable",
+            lambda: optax_accum.embedding_value_and_grad("loss")({}, jnp.array([1])),
+            TypeError,
+            r"loss_fn must be callable, got 'loss'",
         ),
-        "host.py _SparseCore._validate: _check_shape(grad_shape) names `shape`",
+        "embedding.py: check `loss_fn` (now \"'str' object is not callable\" at trace)",
     ),
     (
         Bad(
-            "ConditionalAccumulator.apply_grad/None",
-            lambda: optax_accum.ConditionalAccumulator(F32).apply_grad(None),
+            "embedding_value_and_grad/has_aux='yes'",
+            lambda: optax_accum.embedding_value_and_grad(_embed_loss, has_aux="yes"),
             TypeError,
-            r"grad must be an array or nested list of numbers, got None",
+            r"has_aux must be a bool, got 'yes'",
         ),
-        "host.py _as_array: np.asarray(None, float32) is NaN, accepted as a gradient",
+        "embedding.py: check `has_aux` (now 'iteration over a 0-d array' when called)",
     ),
     (
         Bad(
@@ -1276,10 +1316,11 @@ def test_capacity_overflow_is_rejected_whole_and_counted_inside_jit():
     _, state = step(_slices([2, 3], [[5.0, 5.0], [6.0, 6.0]]), state)
     assert int(state.num_overflowed) == 1
     assert int(optax_accum.num_accumulated(state)) == 1
-    kept = lambda s: (s.accumulator, s.inner_state, s.count, s.global_step)  # noqa: E731
-    for a, b in zip(jax.tree.leaves(kept(state)), jax.tree.leaves(kept(before)), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    updates, state = step(_slices([1, 2], [[1.0, 1.0], [2.0, 2.0]]), state)  # fits: 3 rows
+    fits = _slices([1, 2], [[1.0, 1.0], [2.0, 2.0]])  # three distinct rows: fits
+    updates, state = step(fits, state)
+    # The rejected gradient left nothing behind: the same release as without it.
+    unrejected, _ = step(fits, before)
+    assert updates.to_dense().tobytes() == unrejected.to_dense().tobytes()
     expected = np.zeros((10, 2), np.float32)
     expected[0], expected[1], expected[2] = [-1.0, 0.0], [-1.0, -2.0], [-2.0, -2.0]
     np.testing.assert_array_equal(np.asarray(updates.to_dense()), expected)

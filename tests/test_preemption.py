@@ -14,6 +14,7 @@ directory, so a restart does not recompile what the first process compiled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pickle
@@ -43,22 +44,26 @@ def _kill_plan() -> dict[int, str]:
 class _Worker:
     """One worker process whose stdout lines are read with a bounded wait."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), *args],
-            cwd=WORKER.parent,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    def __init__(self, args: list[str], env: dict[str, str], log: pathlib.Path) -> None:
+        # stderr goes to a file: a pipe nobody reads would fill up and block the worker.
+        self.log = log
+        with log.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                cwd=WORKER.parent,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                self.lines.put(line.strip())
         self.lines.put(None)
 
     def next_line(self) -> str:
@@ -79,14 +84,15 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=WAIT)
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
 
     def stderr(self) -> str:
-        return self.proc.stderr.read()[-4000:] if self.proc.poll() is not None else ""
+        return self.log.read_text()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def preempted_run(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("preemption")
+def train_with_kills(root: pathlib.Path) -> dict:
+    """Runs the worker under `root` to the end, killing and restarting it per the plan."""
     env = {
         **os.environ,
         "JAX_NUM_CPU_DEVICES": str(jax.device_count()),
@@ -100,8 +106,8 @@ def preempted_run(tmp_path_factory) -> dict:
     restored, killed = [], []
     worker = None
     try:
-        for _ in range(len(plan) + 1):
-            worker = _Worker(args, env)
+        for launch in range(len(plan) + 1):
+            worker = _Worker(args, env, root / f"worker_{launch}.log")
             line = worker.next_line()
             assert line.startswith("restored "), line
             restored.append(int(line.split()[1]))
@@ -129,6 +135,11 @@ def preempted_run(tmp_path_factory) -> dict:
         "reference": pickle.loads((root / "reference.pkl").read_bytes()),
         "final": pickle.loads((root / "final.pkl").read_bytes()),
     }
+
+
+@pytest.fixture(scope="module")
+def preempted_run(tmp_path_factory) -> dict:
+    return train_with_kills(tmp_path_factory.mktemp("preemption"))
 
 
 def test_killed_at_every_planned_step_and_restarted_from_a_checkpoint(preempted_run):
