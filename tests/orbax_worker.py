@@ -90,7 +90,8 @@ def sharded() -> Scenario:
     """
     mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     tx = optax_accum.conditional_accumulator(adam(0.1), num_required=3 * DEVICES, axis_name="data")
-    spec = optax_accum.ConditionalAccumulatorState(P(), P(), P(), P(), P(), P("data"), P())
+    base = Case("sharded_8_devices", make=lambda axis: tx)  # the default params and grads
+    spec = optax_accum.state_partition_specs(tx, base.params(), mesh, local_step=0)
 
     def one(params, state, grads, local_step):
         grads = jax.tree.map(lambda g: g[0], grads)
@@ -103,7 +104,6 @@ def sharded() -> Scenario:
         )
     )
     init_fn = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
-    base = Case("sharded_8_devices", make=lambda axis: tx)  # the default params and grads
 
     def init():
         params = jax.device_put(base.params(), NamedSharding(mesh, P()))
