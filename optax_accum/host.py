@@ -272,6 +272,35 @@ class _Take:
         self.event.set()
 
 
+class _StagingPool:
+    """Aligned host buffers that NumPy gradients are copied into on a CPU device.
+
+    JAX then uses such a buffer in place. A fresh multi-megabyte allocation costs a
+    page fault per page on every apply, so a buffer is handed back once the kernel
+    that read it has finished, and reused; at most `keep` idle buffers are kept per
+    shape and dtype.
+    """
+
+    def __init__(self, keep: int = 2 * _MAX_PENDING) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list[np.ndarray]] = {}
+        self._keep = keep
+
+    def acquire(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            idle = self._idle.get((tuple(shape), np.dtype(dtype)))
+            if idle:
+                return idle.pop()
+        return _aligned_empty(shape, dtype)
+
+    def release(self, buffers: Sequence[np.ndarray]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                idle = self._idle.setdefault((buffer.shape, buffer.dtype), [])
+                if len(idle) < self._keep:
+                    idle.append(buffer)
+
+
 class _Core:
     """Step, counters, aggregate and take queue; shared by objects with one shared_name.
 
@@ -289,6 +318,8 @@ class _Core:
         # float16/bfloat16 accumulate in float32, as the functional accumulators do.
         self.acc_dtype = _common.accumulator_dtype_for(dtype, None)
         self.device = jax.devices()[0]
+        self.staging = _StagingPool() if self.device.platform == "cpu" else None
+        self.in_flight: list[np.ndarray] = []  # staging buffers the last kernel reads
         self.lock = threading.Lock()
         self._takes: deque[_Take] = deque()
         self.global_step = 0
@@ -305,24 +336,43 @@ class _Core:
             return jax.enable_x64(True)
         return contextlib.nullcontext()
 
-    def to_device(self, x: Any) -> tuple[jax.Array, bool]:
-        """`x` on the accumulator's device, and whether that buffer is ours to donate.
+    def to_device(self, x: Any, *, stage: bool = True) -> tuple[jax.Array, bool, np.ndarray | None]:
+        """`x` on the accumulator's device: `(array, ours_to_donate, staging_buffer)`.
 
         NumPy input is copied, since the caller may reuse it; a caller's JAX array is
         never donated. On a CPU device the copy is NumPy's (it releases the GIL, so a
         learner thread is not starved by busy actors) into an aligned buffer that JAX
-        then adopts without a second copy.
+        uses in place. With `stage`, that buffer comes from the staging pool and must
+        go back through `recycle` once a kernel has read it (the array is then not
+        ours to donate); without, it is a fresh buffer the array owns.
         """
         with self.precision():
-            if not isinstance(x, jax.Array):
-                if self.device.platform != "cpu":
-                    return jax.device_put(x), True
-                staged = _aligned_empty(x.shape, x.dtype)
-                np.copyto(staged, x)
-                return jax.device_put(staged, may_alias=True), True
-            if x.sharding.device_set == {self.device}:
-                return x, False
-            return jax.device_put(x, self.device), True
+            if isinstance(x, jax.Array):
+                if x.sharding.device_set == {self.device}:
+                    return x, False, None
+                return jax.device_put(x, self.device), True, None
+            if self.staging is None:
+                return jax.device_put(x), True, None
+            buffer = self.staging.acquire(x.shape, x.dtype) if stage else None
+            staged = _aligned_empty(x.shape, x.dtype) if buffer is None else buffer
+            np.copyto(staged, x)
+            return jax.device_put(staged, may_alias=True), buffer is None, buffer
+
+    def recycle(self, buffers: Sequence[np.ndarray | None]) -> None:
+        """Returns staging buffers that no kernel reads (any more) to the pool."""
+        buffers = [b for b in buffers if b is not None]
+        if buffers:
+            self.staging.release(buffers)
+
+    def settle(self, done: Any) -> None:
+        """Waits for `done`, the output of the last kernel, then frees its inputs.
+
+        Waiting on each kernel before dispatching the next also keeps at most one in
+        flight, so applies never outrun the device.
+        """
+        jax.block_until_ready(done)
+        self.recycle(self.in_flight)
+        self.in_flight = []
 
     def finite(self, x: Any) -> bool:
         """Whether `x` is finite; only asked under `skip_nonfinite` (it syncs)."""
@@ -444,7 +494,8 @@ class _DenseCore(_Core):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.aggregate: jax.Array | None = None  # None until the first flush after a take
-        self.pending: list[tuple[jax.Array, bool]] = []  # (gradient, ours to donate)
+        # (gradient, ours to donate, its staging buffer or None)
+        self.pending: list[tuple[jax.Array, bool, np.ndarray | None]] = []
         self.grad_shape: tuple[int, ...] | None = None  # fixed until the next take
 
     def apply(self, grad: Any, local_step: Any) -> bool:
@@ -456,32 +507,37 @@ class _DenseCore(_Core):
                 f"{_fmt(self.shape)}, got {tuple(grad.shape)}"
             )
         finite = self.finite(grad) if self.skip_nonfinite else True
-        grad, owned = self.to_device(grad)
-        with self.applying(step, finite) as accept:
-            if self.grad_shape is not None and grad.shape != self.grad_shape:
-                raise ValueError(
-                    f"grad shape mismatch: expected {self.grad_shape} (fixed by the first "
-                    f"gradient since the last take), got {tuple(grad.shape)}"
-                )
-            if accept:
-                self.grad_shape = tuple(grad.shape)
-                self.pending.append((grad, owned))
-                if len(self.pending) == _MAX_PENDING:
-                    self._flush()
+        grad, owned, buffer = self.to_device(grad)
+        accept = False
+        try:
+            with self.applying(step, finite) as accept:
+                if self.grad_shape is not None and grad.shape != self.grad_shape:
+                    raise ValueError(
+                        f"grad shape mismatch: expected {self.grad_shape} (fixed by the first "
+                        f"gradient since the last take), got {tuple(grad.shape)}"
+                    )
+                if accept:
+                    self.grad_shape = tuple(grad.shape)
+                    self.pending.append((grad, owned, buffer))
+                    if len(self.pending) == _MAX_PENDING:
+                        self._flush()
+        finally:
+            if not accept:  # nothing will read it
+                self.recycle([buffer])
         return accept
 
     def _flush(self) -> None:
         """Adds the pending gradients to the aggregate in one kernel (lock held)."""
-        grads = tuple(g for g, _ in self.pending)
+        grads = tuple(g for g, _, _ in self.pending)
         with self.precision():
             if self.aggregate is not None:
-                # At most one add in flight: applies never outrun the device.
-                self.aggregate.block_until_ready()
+                self.settle(self.aggregate)
                 self.aggregate = _add(self.aggregate, grads)
             elif len(grads) == 1 and self.pending[0][1] and grads[0].dtype == self.acc_dtype:
                 self.aggregate = grads[0]  # our own copy already: adopt it
             else:
                 self.aggregate = _sum_as(grads, dtype=self.acc_dtype)
+        self.in_flight += [b for _, _, b in self.pending if b is not None]
         self.pending = []
 
     def _release(self) -> jax.Array:
@@ -490,16 +546,20 @@ class _DenseCore(_Core):
         if aggregate is None and len(pending) == 1 and pending[0][1]:
             aggregate, pending = pending[0][0], []  # our own copy of the only gradient
         if not pending and (not self.mean or self.count == 1) and aggregate.dtype == self.dtype:
+            self.settle(aggregate)  # the last add's inputs are free once it is done
             return aggregate  # nothing to add, divide or cast
         finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
-        return finish(
+        result = finish(
             aggregate,
-            tuple(g for g, _ in pending),
+            tuple(g for g, _, _ in pending),
             _common.int32(self.count),
             mean=self.mean,
             acc_dtype=self.acc_dtype,
             dtype=self.dtype,
         )
+        self.in_flight += [b for _, _, b in pending if b is not None]
+        self.settle(result)
+        return result
 
 
 class _SparseCore(_Core):
@@ -598,23 +658,31 @@ class _SparseCore(_Core):
             padded[:nnz] = np.asarray(values)
             values = padded
         finite = self.finite(values) if self.skip_nonfinite else True
-        values, _ = self.to_device(values)
+        values, _, buffer = self.to_device(values)
         unique, inverse = np.unique(host, return_inverse=True)
-        with self.applying(step, finite) as accept:
-            if self.values_shape is not None and (
-                len(values.shape) != len(self.values_shape)
-                or values.shape[1:] != self.values_shape[1:]
-            ):
-                raise ValueError(
-                    f"grad_values rows must have shape {list(self.values_shape[1:])} (fixed "
-                    f"by the first gradient since the last take), got {list(values.shape[1:])}"
-                )
-            if accept:
-                if self.values_shape is None:
-                    self.values_shape = (0, *values.shape[1:])
-                if nnz:
-                    with self.precision():
-                        self._add_rows(unique, inverse, values, nnz)
+        scattered = False
+        try:
+            with self.applying(step, finite) as accept:
+                if self.values_shape is not None and (
+                    len(values.shape) != len(self.values_shape)
+                    or values.shape[1:] != self.values_shape[1:]
+                ):
+                    raise ValueError(
+                        f"grad_values rows must have shape {list(self.values_shape[1:])} "
+                        f"(fixed by the first gradient since the last take), got "
+                        f"{list(values.shape[1:])}"
+                    )
+                if accept:
+                    if self.values_shape is None:
+                        self.values_shape = (0, *values.shape[1:])
+                    if nnz:
+                        with self.precision():
+                            self._add_rows(unique, inverse, values, nnz)
+                        self.in_flight.append(buffer)  # freed once the scatter is done
+                        scattered = True
+        finally:
+            if not scattered:  # nothing read it
+                self.recycle([buffer])
         return accept
 
     def _add_rows(
@@ -639,19 +707,20 @@ class _SparseCore(_Core):
             self.capacity = max(self.capacity if self.rows is None else 0, _bucket(needed))
         per_value = np.full(values.shape[0], self.capacity, np.int32)  # padding: dropped
         per_value[:nnz] = slots[inverse.reshape(-1)]
+        if self.rows is not None:
+            self.settle(self.rows)
         if fresh:
             self.rows = _scatter_fresh(
                 self.rows, per_value, values, capacity=self.capacity, dtype=self.acc_dtype
             )
         else:
-            self.rows.block_until_ready()  # at most one scatter in flight, as dense adds
             self.rows = _scatter_add(self.rows, per_value, values)
 
     def _release(self) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
         n = self.sorted_rows.shape[0]
         dims = (self.shape[0] if self.shape and self.shape[0] is not None else -1,)
         dims += tuple(self.values_shape[1:])
-        indices, _ = self.to_device(self.sorted_rows.astype(np.int32))
+        indices, _, _ = self.to_device(self.sorted_rows.astype(np.int32), stage=False)
         if n == 0:
             values = jnp.zeros((0, *self.values_shape[1:]), self.dtype)
         else:
@@ -662,7 +731,8 @@ class _SparseCore(_Core):
             gather = _gather_in_place if self.rows.dtype == self.dtype else _gather_copy
             taken = gather(self.rows, order, counts, mean=self.mean, dtype=self.dtype)
             # Cut to the n real rows on the host: a device slice compiles once per n.
-            values, _ = self.to_device(np.asarray(taken)[:n])
+            values, _, _ = self.to_device(np.asarray(taken)[:n], stage=False)
+            self.settle(taken)
         self._reset()
         return indices, values, dims
 
