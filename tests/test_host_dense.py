@@ -326,6 +326,28 @@ def test_numpy_gradients_are_copied_at_apply():
     np.testing.assert_array_equal(take(acc), np.full(4, 15.0))
 
 
+def test_staging_buffers_are_reused(monkeypatch):
+    # On a CPU device NumPy gradients are copied into pooled aligned buffers: in a
+    # steady state of applies and takes, no new host buffer is allocated.
+    allocated = []
+    real = host._aligned_empty
+
+    def counting(shape, dtype):
+        allocated.append(shape)
+        return real(shape, dtype)
+
+    monkeypatch.setattr(host, "_aligned_empty", counting)
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(64,), reduction_type="SUM")
+    for step in range(8):
+        for i in range(7):
+            acc.apply_grad(np.full(64, i, np.float32), local_step=step)
+        np.testing.assert_array_equal(take(acc), np.full(64, 21.0))
+        if step == 1:
+            warm = len(allocated)
+    assert 0 < warm <= 2 * host._MAX_PENDING
+    assert len(allocated) == warm
+
+
 # --------------------------------------------------------------------------- reference model
 
 
