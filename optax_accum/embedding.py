@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from optax_accum import _common
 from optax_accum.indexed_slices import IndexedSlices
 
 
@@ -95,6 +96,9 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
       >>> grads["embedding"].dense_shape
       (1000, 2)
     """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {loss_fn!r} ({type(loss_fn).__name__})")
+    has_aux = _common.require_bool("has_aux", has_aux)
 
     def value_and_grad_fn(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         calls = _table_paths(loss_fn, params, args, kwargs)
