@@ -648,6 +648,18 @@ BAD: list[Bad] = [
         r"nn\.Embed at \('Embed_0',\) is used by attend\(\).*not row-sparse; use "
         r"jax\.value_and_grad",
     ),
+    Bad(
+        "embedding_value_and_grad/loss_fn not callable",
+        lambda: optax_accum.embedding_value_and_grad("loss"),
+        TypeError,
+        r"loss_fn must be callable, got 'loss' \(str\)",
+    ),
+    Bad(
+        "embedding_value_and_grad/has_aux='yes'",
+        lambda: optax_accum.embedding_value_and_grad(_embed_loss, has_aux="yes"),
+        TypeError,
+        r"has_aux must be a bool, got 'yes' \(str\)",
+    ),
     # ---------------------------------------------------------------- state accessors
     Bad(
         "global_step/no step state",
@@ -1230,24 +1242,6 @@ PENDING: list[tuple[Bad, str]] = [
             r"updates must have the tree structure of params",
         ),
         "indexed_slices.py apply_updates: compare structures (now JAX's tree_map text)",
-    ),
-    (
-        Bad(
-            "embedding_value_and_grad/loss_fn not callable",
-            lambda: optax_accum.embedding_value_and_grad("loss")({}, jnp.array([1])),
-            TypeError,
-            r"loss_fn must be callable, got 'loss'",
-        ),
-        "embedding.py: check `loss_fn` (now \"'str' object is not callable\" at trace)",
-    ),
-    (
-        Bad(
-            "embedding_value_and_grad/has_aux='yes'",
-            lambda: optax_accum.embedding_value_and_grad(_embed_loss, has_aux="yes"),
-            TypeError,
-            r"has_aux must be a bool, got 'yes'",
-        ),
-        "embedding.py: check `has_aux` (now 'iteration over a 0-d array' when called)",
     ),
     (
         Bad(
