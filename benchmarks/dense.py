@@ -56,6 +56,13 @@ TARGETS = {
     "d_state_array_bytes_vs_multisteps": (1.0, "max"),
     "d_temp_bytes_vs_multisteps": (1.0, "max"),
 }
+# No target: how far (b) and (c) are from hand-fused jits that do only the work any
+# implementation must do (a held step: add g in place and return zeros; an emit: Adam
+# on (acc + g) / n and zero the accumulator), with the same donation.
+REFERENCES = {
+    "b_held_update_vs_fused_reference": "held update / jit(acc + g, zeros)",
+    "c_emit_update_vs_fused_reference": "emit update / jit(adam((acc + g) / n), zeros)",
+}
 
 
 def tree_bytes(tree: Any) -> int:
@@ -257,6 +264,14 @@ def bench(param_dtype: Any, rounds: int) -> dict:
     ours = optax_accum.conditional_accumulator(adam, num_required=EVERY)
     multi = optax.MultiSteps(adam, every_k_schedule=EVERY).gradient_transformation()
 
+    def add(acc: Any, g: Any) -> Any:
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+
+    def fused_emit(adam_state: Any, acc: Any, g: Any) -> tuple:
+        total = jax.tree.map(lambda t, b: (t / EVERY).astype(b.dtype), add(acc, g), g)
+        updates, adam_state = adam.update(total, adam_state)
+        return adam_state, jax.tree.map(jnp.zeros_like, acc), updates
+
     def cycle(_: Contender) -> list[tuple]:
         return [(grads,)] * EVERY
 
@@ -286,7 +301,7 @@ def bench(param_dtype: Any, rounds: int) -> dict:
         # (b) EVERY - 1 held updates from a fresh state, against as many floor passes.
         "held_update": Contender(update_alone(ours), (), held_from_start, next_carry=new_state),
         "floor": Contender(
-            lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g),
+            add,
             (fresh(ours.init(params).accumulator),),
             fresh_grads(EVERY - 1),
             next_carry=lambda out: (out,),
@@ -298,6 +313,18 @@ def bench(param_dtype: Any, rounds: int) -> dict:
             (fresh(adam.init(params)),),
             fresh_grads(1),
             next_carry=new_state,
+        ),
+        "held_reference": Contender(
+            lambda acc, g: (add(acc, g), jax.tree.map(jnp.zeros_like, g)),
+            (fresh(ours.init(params).accumulator),),
+            fresh_grads(EVERY - 1),
+            next_carry=lambda out: (out[0],),
+        ),
+        "emit_reference": Contender(
+            fused_emit,
+            (fresh(adam.init(params)), fresh(ours.init(params).accumulator)),
+            fresh_grads(1),
+            next_carry=lambda out: out[:2],
         ),
     }
     samples = interleaved(contenders, rounds)
@@ -316,6 +343,8 @@ def bench(param_dtype: Any, rounds: int) -> dict:
         "d_state_array_bytes_vs_multisteps": array_bytes(state_ours) / array_bytes(state_multi),
         "d_temp_bytes_vs_multisteps": mem["train_ours"]["temp_bytes"]
         / max(mem["train_multisteps"]["temp_bytes"], 1),
+        "b_held_update_vs_fused_reference": paired(samples, "held_update", "held_reference"),
+        "c_emit_update_vs_fused_reference": paired(samples, "emit_update", "emit_reference"),
     }
     traffic = {k: hlo_traffic(c) for k, c in contenders.items()}
     return {
@@ -359,6 +388,9 @@ def main() -> None:
         f32, bf16 = (runs[k]["ratios"][name] for k in ("float32", "bfloat16"))
         verdicts = f"{verdict(name, f32)} / {verdict(name, bf16).split()[-1]}"
         print(f"{name:42} {f32:8.2f} {bf16:8.2f}  {verdicts}")
+    for name, what in REFERENCES.items():
+        f32, bf16 = (runs[k]["ratios"][name] for k in ("float32", "bfloat16"))
+        print(f"{name:42} {f32:8.2f} {bf16:8.2f}  ({what})")
     for dtype, run in runs.items():
         ms = {k: round(1e3 * v, 2) for k, v in run["median_seconds_per_call"].items()}
         print(f"{dtype} median ms per call: {ms}")
