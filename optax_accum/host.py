@@ -94,9 +94,11 @@ def _finish(
     dtype: Any,
 ) -> jax.Array:
     """The take's answer in one pass: the last pending gradients added, then the MEAN."""
+    if aggregate is None:  # a copy: the answer must not alias a (pooled) input
+        aggregate, grads = jnp.array(grads[0], acc_dtype, copy=True), grads[1:]
     total = aggregate
     for grad in grads:
-        total = grad.astype(acc_dtype) if total is None else total + grad.astype(acc_dtype)
+        total = total + grad.astype(acc_dtype)
     if mean:
         total = total / count.astype(acc_dtype)
     return total.astype(dtype)

@@ -326,6 +326,18 @@ def test_numpy_gradients_are_copied_at_apply():
     np.testing.assert_array_equal(take(acc), np.full(4, 15.0))
 
 
+@pytest.mark.parametrize("reduction", ["SUM", "MEAN"])
+def test_taken_answers_never_share_memory_with_later_gradients(reduction):
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(8,), reduction_type=reduction)
+    answers = []
+    for step in range(12):  # a single pending gradient, then several
+        for _ in range(1 + step % 3):
+            acc.apply_grad(np.full(8, step, np.float32), local_step=step)
+        answers.append(acc.take_grad(1, timeout=T))
+    scale = [1 + s % 3 if reduction == "SUM" else 1 for s in range(12)]
+    np.testing.assert_array_equal(np.stack(answers)[:, 0], np.arange(12) * np.array(scale))
+
+
 def test_staging_buffers_are_reused(monkeypatch):
     # On a CPU device NumPy gradients are copied into pooled aligned buffers: in a
     # steady state of applies and takes, no new host buffer is allocated.
