@@ -200,8 +200,9 @@ def staleness_percentage(state: Any) -> jax.Array:
     """TF's "staleness percentage": dropped updates / (global step + 1), as a fraction.
 
     Reads the outermost `drop_stale_gradients` state inside `state` (also inside
-    `optax.chain` or `optax.inject_hyperparams` states). A float32 scalar in [0, 1]
-    while fewer updates were dropped than accepted; like TF's, it is not bounded by 1.
+    `optax.chain` or `optax.inject_hyperparams` states), as a float32 scalar. As in TF,
+    it is not a true fraction of all updates: it exceeds 1 once the drops outnumber
+    the accepted updates plus one.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_accum
