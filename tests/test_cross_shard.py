@@ -381,3 +381,20 @@ def test_groups_on_a_1d_shard_map_axis_use_permutes_with_the_stated_cost():
     fn = mapped(lambda g: one_hot(g, "i", ((0, 3, 5, 6), (1, 2, 4, 7))), "shard_map", 8)
     buffer = count_collectives(fn.lower(jnp.zeros((8, 5))).as_text(dialect="hlo"))
     assert buffer["every_step"] == {"all-reduce": 1, "all-reduce bytes": 2 * 20}
+
+
+@pytest.mark.parametrize(
+    "groups", [None, [[0, 3, 5, 6], [1, 2, 4, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]]]
+)
+def test_tuple_axis_name_reduces_over_the_row_major_replica_index(groups):
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tx = cross_shard(("a", "b"), group_assignment=groups)
+    spec = P(("a", "b"))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g: tx.update(g, tx.init(g))[0], mesh=mesh, in_specs=spec, out_specs=spec
+        )
+    )
+    grads = np.random.default_rng(3).normal(size=(8, 2)).astype(np.float32)
+    out = np.asarray(fn(jnp.asarray(grads)))
+    np.testing.assert_allclose(out, numpy_group_reduce(grads, groups, True), rtol=1e-6, atol=1e-7)
