@@ -1092,7 +1092,8 @@ class SparseConditionalAccumulator(_HostAccumulator):
     def apply_indexed_slices_grad(self, grad: IndexedSlices, local_step: int = 0) -> bool:
         """`apply_grad` for an `IndexedSlices` gradient.
 
-        Rows at the padding index (`grad.dense_shape[0]`, as the functional
+        Rows at the padding index (`grad.padding_index`: `dense_shape[0]`, or the
+        int32 maximum when the row count is unknown, as the functional
         `sparse_conditional_accumulator` pads) are left out; every other index is
         checked as in `apply_grad`.
 
@@ -1109,9 +1110,8 @@ class SparseConditionalAccumulator(_HostAccumulator):
         if not isinstance(grad, IndexedSlices):
             raise TypeError(f"grad must be an optax_accum.IndexedSlices, got {type(grad).__name__}")
         indices, values = grad.indices, grad.values
-        rows = grad.dense_shape[0]
-        if rows >= 0 and hasattr(indices, "shape") and len(indices.shape) == 1:
-            keep = np.asarray(jax.device_get(indices)) != rows
+        if hasattr(indices, "shape") and len(indices.shape) == 1:
+            keep = np.asarray(jax.device_get(indices)) != grad.padding_index
             if not keep.all():
                 indices, values = np.asarray(indices)[keep], np.asarray(values)[keep]
         return self._core.apply(indices, values, grad.dense_shape, local_step)

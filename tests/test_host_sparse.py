@@ -169,12 +169,17 @@ def test_jax_inputs_and_indexed_slices():
     assert isinstance(out, optax_accum.IndexedSlices) and out.dense_shape == (5, 2)
     assert np.asarray(out.indices).tolist() == [1, 4]
     np.testing.assert_array_equal(out.values, [[1.5, 1.5], [2, 2]])
+    unknown_rows = optax_accum.IndexedSlices(
+        jnp.array([2, np.iinfo(np.int32).max]), jnp.ones((2, 2)), (-1, 2)
+    )
+    assert acc.apply_indexed_slices_grad(unknown_rows, local_step=1)  # int32 max: padding
+    assert take(acc)[0] == [2]
     with pytest.raises(TypeError, match=r"grad must be an optax_accum\.IndexedSlices"):
         acc.apply_indexed_slices_grad((jnp.array([0]), jnp.ones((1, 2))))
     wrong = optax_accum.IndexedSlices(jnp.array([6]), jnp.ones((1, 2)), (7, 2))
     with pytest.raises(ValueError, match="grad_shape dim 0 must be 5"):
-        acc.apply_indexed_slices_grad(wrong, local_step=1)
-    assert state(acc) == (1, 0, 0, 0)
+        acc.apply_indexed_slices_grad(wrong, local_step=2)
+    assert state(acc) == (2, 0, 0, 0)
 
 
 def test_skip_nonfinite():
