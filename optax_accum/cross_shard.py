@@ -189,10 +189,11 @@ def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
         if tracked and name not in _common._varying_axes(jax.typeof(leaf)):
             raise ValueError(
                 f"{where} must differ per replica of axis {name!r}, but under jax.shard_map "
-                "it is replica-invariant: jax.grad with respect to replicated params already "
-                "sums the gradients over the axis. Differentiate with respect to per-replica "
-                f"params, jax.lax.pcast(params, {name!r}, to='varying'), so each replica "
-                "gets its own gradient"
+                "it is replica-invariant, i.e. already reduced over the axis (jax.grad with "
+                "respect to replicated params returns the sum over the axis; a shared "
+                "accumulator's release is summed too). Differentiate with respect to "
+                f"per-replica params, jax.lax.pcast(params, {name!r}, to='varying'), so "
+                "each replica gets its own gradient"
             )
 
 
