@@ -172,35 +172,47 @@ class _Plan(NamedTuple):
     new: jax.Array  # True at that occurrence when the row is not in the buffer yet
     slot: jax.Array  # the slot of each occurrence's row (capacity for padding)
     num_new: jax.Array  # how many slots the gradient would add
-    existing: jax.Array  # the row's slot before this gradient, -1 if none
-    before: jax.Array  # the row's map entry before this gradient (valid or stale)
-    slot_of: jax.Array  # the map, with scratch entries at the gradient's rows
+    unmapped: jax.Array  # the rows not in the buffer yet (padding elsewhere)
+    before: jax.Array  # each row's map entry before this gradient (valid or stale)
+    slot_of: jax.Array  # the map, with the unmapped rows' entries used as claims
 
 
 def _plan(buf: RowBuffer, indices: jax.Array) -> _Plan:
     """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
 
     A map entry is trusted only if it points below `size` at a slot holding that row,
-    so a release never has to clear the map. Duplicate ids are told apart by letting
-    each occurrence claim its row in the map (as -2 - position): the claim that sticks
-    picks the one occurrence that counts, and `_commit` writes the real slots back.
+    so a release never has to clear the map. Duplicate ids count once: an occurrence of
+    a row already held is told apart by claiming its slot in a `capacity`-sized
+    scratch; one of a row not held yet claims the row's own (so far meaningless) map
+    entry, which `_commit` then sets to the new slot or restores. The one claim that
+    sticks picks the occurrence that counts.
     """
     num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
     real = (indices >= 0) & (indices < num_rows)
     rows = jnp.where(real, indices, num_rows).astype(jnp.int32)
-    mapped = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
-    held = buf.rows.at[mapped].get(mode="fill", fill_value=-1)
-    existing = jnp.where((mapped >= 0) & (mapped < buf.size) & (held == rows), mapped, -1)
+    before = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
+    held = buf.rows.at[before].get(mode="fill", fill_value=-1)
+    existing = jnp.where((before >= 0) & (before < buf.size) & (held == rows), before, -1)
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    slot_of = buf.slot_of.at[rows].set(-2 - position, mode="drop")
-    owner = -2 - slot_of.at[rows].get(mode="fill", fill_value=-2)  # the occurrence that counts
+    # Rows held: claim their slot. Rows not held: claim their map entry, as -2 - position
+    # (never a slot). The map scatter's indices depend on the lookup above, so XLA reads
+    # the old entries first and updates the map in place.
+    held_slot = jnp.where(existing >= 0, existing, capacity)
+    by_slot = jnp.full((capacity,), -1, jnp.int32).at[held_slot].set(position, mode="drop")
+    unmapped = jnp.where(real & (existing < 0), rows, num_rows)
+    slot_of = buf.slot_of.at[unmapped].set(-2 - position, mode="drop")
+    owner = jnp.where(
+        existing >= 0,
+        by_slot.at[held_slot].get(mode="fill", fill_value=-1),
+        -2 - slot_of.at[unmapped].get(mode="fill", fill_value=0),
+    )
     first = real & (owner == position)
     new = first & (existing < 0)
     new_slot = buf.size + jnp.cumsum(new, dtype=jnp.int32) - 1
     slot = jnp.where(existing >= 0, existing, new_slot.at[owner].get(mode="fill", fill_value=0))
     slot = jnp.where(real, slot, capacity)
     num_new = jnp.sum(new, dtype=jnp.int32)
-    return _Plan(rows, first, new, slot, num_new, existing, mapped, slot_of)
+    return _Plan(rows, first, new, slot, num_new, unmapped, before, slot_of)
 
 
 def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
@@ -217,14 +229,14 @@ def _commit(buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array) -> 
     cleared = buf.values.at[new_slot].set(zero, mode="drop")
     touches = buf.touches.at[new_slot].set(0, mode="drop")
     # Every occurrence of a row writes the same entry, so the scatter is deterministic;
-    # a gradient not taken restores the map exactly as it was.
+    # a gradient not taken restores the claimed entries exactly as they were.
     mapped = jnp.where(take, plan.slot, plan.before)
     return RowBuffer(
         rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
         values=cleared.at[slot].add(values.astype(buf.values.dtype), mode="drop"),
         touches=touches.at[jnp.where(plan.first, slot, capacity)].add(1, mode="drop"),
         size=jnp.where(take, buf.size + plan.num_new, buf.size),
-        slot_of=plan.slot_of.at[plan.rows].set(mapped, mode="drop"),
+        slot_of=plan.slot_of.at[plan.unmapped].set(mapped, mode="drop"),
     )
 
 
