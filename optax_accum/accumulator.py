@@ -166,12 +166,7 @@ def conditional_accumulator(
             num_dropped=_common.int32(0),
             num_nonfinite=_common.int32(0),
             emitted=jnp.asarray(False),
-            accumulator=jax.tree.map(
-                lambda p: jnp.zeros(
-                    jnp.shape(p), _common.accumulator_dtype_for(jnp.result_type(p), acc_dtype)
-                ),
-                params,
-            ),
+            accumulator=jax.tree.map(lambda p: _common.zeros_accumulator(p, acc_dtype), params),
             inner_state=inner.init(params),
         )
 
@@ -198,7 +193,7 @@ def conditional_accumulator(
         emit = count >= required(state.global_step)
 
         def accumulate(a: jax.Array, g: jax.Array) -> jax.Array:
-            return jnp.where(accepted, a + g.astype(a.dtype), a)
+            return _common.add_where(accepted, a, g)
 
         # Three 0-or-1-trip loops (see _common.apply_if), so that each step does only
         # its own work, in place on the donated state (benchmarks/NOTES.md):
