@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -506,3 +507,24 @@ def test_slices_offered_to_a_dense_leaf_are_scatter_added():
     expected = np.zeros((ROWS, 2))
     expected[0], expected[1] = [2, 0], [1.5, 1.5]
     np.testing.assert_allclose(u, expected)
+
+
+def test_update_does_no_table_sized_work():
+    """Structure, not the clock: a donated update's program touches the table-sized
+    row-to-slot map only through in-place scatters (no copy, no fill, no pass), and
+    builds nothing of the table's float shape, on holding and releasing paths alike."""
+    rows = 100_003  # a size no other array in the program has
+    tx = sparse_conditional_accumulator(optax_accum.sparse_sgd(0.1), 2, capacity=16, sparse=True)
+    g = IndexedSlices(jnp.zeros(8, jnp.int32), jnp.zeros((8, 3)), (rows, 3))
+    state = tx.init(jnp.zeros((rows, 3)))
+    hlo = jax.jit(lambda s, g: tx.update(g, s), donate_argnums=0).lower(state, g).compile()
+    table_sized = [
+        line.strip()
+        for line in hlo.as_text().splitlines()
+        if re.search(rf"= \(?[a-z0-9]+\[{rows}[,\]]", line)
+    ]
+    allowed = re.compile(r"^(ROOT )?%[\w.-]+ = \S+ (parameter|get-tuple-element|scatter)\(")
+    scatter_fusion = re.compile(r"^(ROOT )?%[\w.-]*scatter[\w.-]* = \S+ fusion\(")
+    unexpected = [x for x in table_sized if not (allowed.match(x) or scatter_fusion.match(x))]
+    assert table_sized and not unexpected, unexpected
+    assert f"f32[{rows}," not in hlo.as_text()
