@@ -216,20 +216,25 @@ def _train_replicated(sizes: Sizes, tx: Any, stragglers: int, label: str, method
     )
 
 
-def _train_async(sizes: Sizes, staleness: int | None) -> Row:
-    """4 workers read the params, compute, and apply in random order (one device)."""
-    x, y, xt, yt = _data.digits(sizes.seed)
-    model, params = _data.init_mlp(sizes.seed)
-    limit = np.iinfo(np.int32).max if staleness is None else staleness
-    tx = optax_accum.drop_stale_gradients(optax.adam(3e-3), limit)
-    state = tx.init(params)
+def _async_step(model: Any) -> Callable:
+    """One jitted apply for every async run: `staleness` is a traced argument."""
     grad_fn = jax.grad(lambda p, xb, yb: _data.loss_fn(model, p, xb, yb))
 
     @jax.jit
-    def apply(params, state, snapshot, xb, yb, local_step):
+    def apply(params, state, snapshot, xb, yb, local_step, staleness):
+        tx = optax_accum.drop_stale_gradients(optax.adam(3e-3), staleness)
         updates, state = tx.update(grad_fn(snapshot, xb, yb), state, params, local_step=local_step)
         return optax.apply_updates(params, updates), state
 
+    return apply
+
+
+def _train_async(sizes: Sizes, staleness: int | None, apply: Callable) -> Row:
+    """4 workers read the params, compute, and apply in random order (one device)."""
+    x, y, xt, yt = _data.digits(sizes.seed)
+    model, params = _data.init_mlp(sizes.seed)
+    limit = jnp.int32(np.iinfo(np.int32).max if staleness is None else staleness)
+    state = optax_accum.drop_stale_gradients(optax.adam(3e-3), limit).init(params)
     rng = np.random.default_rng(sizes.seed)
     data = _data.batches(x, y, sizes.batch, sizes.seed)
     workers = [(params, 0)] * ASYNC_WORKERS  # (params read, global step at the read)
@@ -239,7 +244,9 @@ def _train_async(sizes: Sizes, staleness: int | None) -> Row:
         w = int(rng.integers(ASYNC_WORKERS))  # the worker that finishes next
         snapshot, read_at = workers[w]
         xb, yb = next(data)
-        params, state = apply(params, state, snapshot, jnp.asarray(xb), jnp.asarray(yb), read_at)
+        params, state = apply(
+            params, state, snapshot, jnp.asarray(xb), jnp.asarray(yb), read_at, limit
+        )
         workers[w] = (params, int(optax_accum.global_step(state)))
     method = (
         f"async, {ASYNC_WORKERS} workers, no dropping"
@@ -260,6 +267,7 @@ def _train_async(sizes: Sizes, staleness: int | None) -> Row:
 def run(sizes: Sizes) -> list[Row]:
     with jax.numpy_dtype_promotion("standard"):  # optax.adam computes float ** int32
         n = _mesh().shape["data"]
+        apply = _async_step(_data.init_mlp(sizes.seed)[0])
         sync = optax_accum.cross_shard_optimizer(optax.adam(3e-3), "data", pack=True)
         backup = optax_accum.conditional_accumulator(
             optax.adam(3e-3), num_required=max(1, n - 2), axis_name="data"
@@ -275,6 +283,6 @@ def run(sizes: Sizes) -> list[Row]:
                 "backup workers",
                 f"backup workers: {n} replicas, 2 stale, conditional_accumulator({n - 2} fresh)",
             ),
-            _train_async(sizes, 2),
-            _train_async(sizes, None),
+            _train_async(sizes, 2, apply),
+            _train_async(sizes, None, apply),
         ]
