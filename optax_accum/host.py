@@ -726,12 +726,21 @@ class _SparseCore(_Core):
         if n == 0:
             values = jnp.zeros((0, *self.values_shape[1:]), self.dtype)
         else:
-            order = np.zeros(self.capacity, np.int32)
-            order[:n] = self.sorted_slots
-            counts = np.ones(self.capacity, np.int32)
-            counts[:n] = self.row_counts[self.sorted_slots]
-            gather = _gather_in_place if self.rows.dtype == self.dtype else _gather_copy
-            taken = gather(self.rows, order, counts, mean=self.mean, dtype=self.dtype)
+            counts = self.row_counts[self.sorted_slots]
+            in_order = bool((self.sorted_slots == np.arange(n)).all())
+            if (
+                in_order
+                and (not self.mean or (counts == 1).all())
+                and self.rows.dtype == self.dtype
+            ):
+                taken = self.rows  # slots already sorted, nothing to divide: no kernel
+            else:
+                order = np.zeros(self.capacity, np.int32)
+                order[:n] = self.sorted_slots
+                gather = _gather_in_place if self.rows.dtype == self.dtype else _gather_copy
+                padded_counts = np.ones(self.capacity, np.int32)
+                padded_counts[:n] = counts
+                taken = gather(self.rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
             # Cut to the n real rows on the host: a device slice compiles once per n.
             values, _, _ = self.to_device(np.asarray(taken)[:n], stage=False)
             self.settle(taken)
