@@ -350,9 +350,10 @@ def sparse_conditional_accumulator(
     replica holds the same rows, and overflow is decided the same everywhere), while
     dense leaves are summed across replicas on releasing steps only.
 
-    Cost: an update sorts the gradient's rows and touches only them and the map entries
-    they name; a release sorts the `capacity` slots. Nothing scales with the table,
-    except the row-to-slot map's memory (4 bytes per table row).
+    Cost: an update does a few gathers and scatters over the gradient's rows (no sort;
+    the row-to-slot map is updated in place when the state is donated); a release
+    sorts the `capacity` row ids and resets only a counter. Nothing scales with the
+    table, except the map's memory (4 bytes per table row).
 
     Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
     keeps duplicates apart); out-of-range ids are ignored instead of raising (values
