@@ -113,6 +113,12 @@ def conditional_accumulator(
     float16/bfloat16 accumulate in float32 by default; a non-finite value in a
     dropped gradient never reaches the state (selection, not a 0/1 multiply).
 
+    Cost: a held step is one fused pass that adds the gradient in place (jit the
+    update with the state donated); the release runs `inner` on the sum as it adds the
+    last gradient, then zeroes the accumulator. The branches are `lax.while_loop`s
+    that run zero times or once, which keep the state in its buffers, so `update` can
+    be forward- but not reverse-differentiated.
+
     Args:
       inner: the optimizer that transforms each released aggregate.
       num_required: a positive int, or a schedule `f(global_step) -> int` (as
