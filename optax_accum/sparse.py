@@ -154,6 +154,19 @@ def _check_updates(updates: Any, accumulator: Any) -> None:
             _common.check_tree_matches(u, a, what=where)
 
 
+def _all_finite(grads: list, accs: list) -> jax.Array:
+    """Whether the gradient holds no NaN or Inf, padding rows of `IndexedSlices` aside."""
+
+    def real_rows(g: Any, a: Any) -> Any:
+        if not isinstance(g, IndexedSlices):
+            return g
+        rows = a.slot_of.shape[0] if _is_buffer(a) else a.shape[0]
+        real = (g.indices >= 0) & (g.indices < rows)
+        return jnp.where(real.reshape((-1,) + (1,) * (g.values.ndim - 1)), g.values, 0)
+
+    return _common.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
+
+
 def _add_dense(accepted: jax.Array, accumulator: jax.Array, gradient: Any) -> jax.Array:
     """A dense leaf's accumulation; an `IndexedSlices` gradient is scatter-added."""
     if isinstance(gradient, IndexedSlices):
@@ -435,10 +448,9 @@ def sparse_conditional_accumulator(
         _check_updates(updates, state.accumulator)
         step = _common.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step
-        finite = _common.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
-
         grads = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_buffer)
+        finite = _all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True)
         sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
         offered = fresh & finite
         if axis_name is not None:

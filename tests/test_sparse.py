@@ -398,6 +398,8 @@ def test_skip_nonfinite_skips_and_counts():
         offer(_g([1], [[np.nan, 1.0]]))
         assert int(box["state"].num_nonfinite) == int(skip)
         assert int(box["state"].count) == int(not skip)
+        offer(_g([2, ROWS], [[1.0, 1.0], [np.nan, np.inf]]))  # NaN in a padding row only
+        assert int(box["state"].num_nonfinite) == int(skip)
 
 
 # --------------------------------------------------------------------------- sparse path
