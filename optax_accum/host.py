@@ -338,15 +338,18 @@ class _Core:
             return jax.enable_x64(True)
         return contextlib.nullcontext()
 
-    def to_device(self, x: Any, *, stage: bool = True) -> tuple[jax.Array, bool, np.ndarray | None]:
-        """`x` on the accumulator's device: `(array, ours_to_donate, staging_buffer)`.
+    def to_device(
+        self, x: Any, *, stage: bool = True
+    ) -> tuple[jax.Array | np.ndarray, bool, np.ndarray | None]:
+        """`x` ready for a kernel: `(array, ours_to_donate, staging_buffer)`.
 
         NumPy input is copied, since the caller may reuse it; a caller's JAX array is
         never donated. On a CPU device the copy is NumPy's (it releases the GIL, so a
-        learner thread is not starved by busy actors) into an aligned buffer that JAX
-        uses in place. With `stage`, that buffer comes from the staging pool and must
-        go back through `recycle` once a kernel has read it (the array is then not
-        ours to donate); without, it is a fresh buffer the array owns.
+        learner thread is not starved by busy actors) into an aligned buffer, which
+        the kernels then read in place. With `stage`, that buffer comes from the
+        staging pool, is returned as is (a NumPy array, not ours to donate) and must
+        go back through `recycle` once a kernel has read it; without, JAX adopts a
+        fresh buffer and the result is a `jax.Array` that owns it.
         """
         with self.precision():
             if isinstance(x, jax.Array):
@@ -355,10 +358,13 @@ class _Core:
                 return jax.device_put(x, self.device), True, None
             if self.staging is None:
                 return jax.device_put(x), True, None
-            buffer = self.staging.acquire(x.shape, x.dtype) if stage else None
-            staged = _aligned_empty(x.shape, x.dtype) if buffer is None else buffer
-            np.copyto(staged, x)
-            return jax.device_put(staged, may_alias=True), buffer is None, buffer
+            if stage:
+                buffer = self.staging.acquire(x.shape, x.dtype)
+                np.copyto(buffer, x)
+                return buffer, False, buffer
+            fresh = _aligned_empty(x.shape, x.dtype)
+            np.copyto(fresh, x)
+            return jax.device_put(fresh, may_alias=True), True, None
 
     def recycle(self, buffers: Sequence[np.ndarray | None]) -> None:
         """Returns staging buffers that no kernel reads (any more) to the pool."""
