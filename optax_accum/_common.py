@@ -66,6 +66,22 @@ def require_bound_axis(axis_name: Any, *, argname: str = "axis_name") -> None:
             ) from None
 
 
+def require_transformation(name: str, value: Any, *, optional: bool = False) -> Any:
+    """Returns `value` if it has callable `init` and `update` (an optax transformation).
+
+    Without this, a wrong `inner` (a string, an optax module, None) fails later with
+    an AttributeError from inside optax. `optional` says None is allowed (the caller
+    handles it) and words the error so.
+    """
+    if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+        return value
+    expected = "None or an" if optional else "an"
+    raise TypeError(
+        f"{name} must be {expected} optax.GradientTransformation (with init and update), "
+        f"got {value!r} ({type(value).__name__})"
+    )
+
+
 def require_bool(name: str, value: Any) -> bool:
     """Returns `value` if it is a Python bool; TypeError otherwise."""
     if not isinstance(value, bool | np.bool_):
@@ -330,6 +346,7 @@ __all__ = [
     "require_axis_name",
     "require_bool",
     "require_bound_axis",
+    "require_transformation",
     "require_positive_int",
     "saturating_add",
     "tree_select",

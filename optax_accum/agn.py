@@ -162,11 +162,13 @@ def agn(
       >>> float(state.centre[0])  # 1 - 0.1 * (1 + 2 + 3) / 3
       0.8
     """
-    inner = optax.with_extra_args_support(inner)
+    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
     period = _common.require_positive_int("communication_period", communication_period)
     axis_name = _common.require_axis_name("axis_name", axis_name)
     commit = _canonical_commit(commit)
     delta = commit == "delta"
+    if outer is not None:
+        _common.require_transformation("outer", outer, optional=True)
     if outer is None:
         outer = optax.sgd(1.0) if delta else inner
     outer = optax.with_extra_args_support(outer)
