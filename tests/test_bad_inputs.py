@@ -616,6 +616,19 @@ BAD: list[Bad] = [
         r"skip_nonfinite must be a bool, got None",
     ),
     Bad(
+        "agn/inner='sgd'",
+        lambda: optax_accum.agn("sgd", 2),
+        TypeError,
+        r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd' "
+        r"\(str\)",
+    ),
+    Bad(
+        "agn/outer=optax module",
+        lambda: _agn(outer=optax),
+        TypeError,
+        r"outer must be None or an optax\.GradientTransformation.*got <module 'optax'",
+    ),
+    Bad(
         "agn/missing params",
         lambda: _jit_update(_agn(), GRADS),
         ValueError,
@@ -1187,16 +1200,8 @@ PENDING: list[tuple[Bad, str]] = [
             TypeError,
             r"inner must be an optax\.GradientTransformation.*got 'sgd'",
         ),
-        "accumulator.py (and sparse, staleness, agn, cross_shard): check `inner`",
-    ),
-    (
-        Bad(
-            "agn/outer='sgd'",
-            lambda: _agn(outer="sgd"),
-            TypeError,
-            r"outer must be None or an optax\.GradientTransformation.*got 'sgd'",
-        ),
-        "agn.py: check `outer`",
+        "accumulator.py (and sparse, staleness, cross_shard): check `inner` with "
+        "_common.require_transformation, as agn does",
     ),
     (
         Bad(
