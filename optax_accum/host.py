@@ -667,7 +667,10 @@ class _SparseCore(_Core):
             values = padded
         finite = self.finite(values) if self.skip_nonfinite else True
         values, _, buffer = self.to_device(values)
-        unique, inverse = np.unique(host, return_inverse=True)
+        if (host[1:] > host[:-1]).all():  # sorted and unique already, as TF expects
+            unique, inverse = host, np.arange(nnz)
+        else:
+            unique, inverse = np.unique(host, return_inverse=True)
         scattered = False
         try:
             with self.applying(step, finite) as accept:
