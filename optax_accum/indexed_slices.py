@@ -42,13 +42,15 @@ def _is_array_like(x: Any) -> bool:
 
 
 def _check_dense_shape(dense_shape: Any) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(d) for d in dense_shape)
-    except TypeError:
+    def is_int(d: Any) -> bool:
+        return isinstance(d, int | np.integer) and not isinstance(d, bool)
+
+    if not isinstance(dense_shape, tuple | list) or not all(is_int(d) for d in dense_shape):
         raise TypeError(
             f"dense_shape must be a tuple of ints, got {dense_shape!r} "
             f"({type(dense_shape).__name__})"
-        ) from None
+        )
+    shape = tuple(int(d) for d in dense_shape)
     if not shape:
         raise ValueError("dense_shape must have at least one dimension (the rows), got ()")
     if shape[0] < -1 or any(d < 0 for d in shape[1:]):
@@ -303,15 +305,23 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
       ([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]], [1.0, 1.0])
     """
 
+    leaf = lambda x: x is None or is_indexed_slices(x)  # noqa: E731
+    expected, got = (
+        jax.tree.structure(params, is_leaf=leaf),
+        jax.tree.structure(updates, is_leaf=leaf),
+    )
+    if expected != got:
+        raise ValueError(
+            f"updates must have the tree structure of params: expected {expected}, got {got}"
+        )
+
     def apply(path: Any, p: Any, u: Any) -> Any:
         if isinstance(u, IndexedSlices):
             check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
             return scatter_add(jnp.asarray(p), u)
         return optax.apply_updates(p, u)
 
-    return jax.tree_util.tree_map_with_path(
-        apply, params, updates, is_leaf=lambda x: x is None or is_indexed_slices(x)
-    )
+    return jax.tree_util.tree_map_with_path(apply, params, updates, is_leaf=leaf)
 
 
 def densify() -> optax.GradientTransformationExtraArgs:

@@ -410,7 +410,7 @@ def sparse_conditional_accumulator(
       >>> optax_accum.apply_updates(table, u)[:, 0].tolist()
       [-0.5, 0.0, 0.0, 0.0, -3.0]
     """
-    inner = optax.with_extra_args_support(inner)
+    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
     required = _num_required_fn(num_required)
     capacity = _common.require_positive_int("capacity", capacity)
     mean = _common.canonical_reduction(reduction) == "mean"
