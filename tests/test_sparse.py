@@ -530,3 +530,20 @@ def test_update_does_no_table_sized_work():
     unexpected = [x for x in table_sized if not (allowed.match(x) or scatter_fusion.match(x))]
     assert table_sized and not unexpected, unexpected
     assert f"f32[{rows}," not in hlo.as_text()
+
+
+def test_axis_name_under_pmap():
+    """pmap: replica r offers row r % 5 with value r; rows 0-2 are touched twice."""
+    n = 8
+    tx = sparse_conditional_accumulator(optax.identity(), n, capacity=8, sparse=True, axis_name="i")
+    params = jnp.zeros((ROWS, 2))
+    state = jax.pmap(tx.init, axis_name="i")(jnp.stack([params] * n))
+    ids = (jnp.arange(n, dtype=jnp.int32) % 5)[:, None]
+    values = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[:, None, None], (n, 1, 2))
+    offer = jax.pmap(lambda s, i, v: tx.update(IndexedSlices(i, v, (ROWS, 2)), s), axis_name="i")
+    u, state = offer(state, ids, values)
+    for r in range(n):
+        got_ids, got_vals = _rows(jax.tree.map(lambda x, r=r: x[r], u))
+        assert got_ids == [0, 1, 2, 3, 4]
+        np.testing.assert_allclose(got_vals[:, 0], [2.5, 3.5, 4.5, 3, 4])
+    assert np.all(np.asarray(state.global_step) == 1)
