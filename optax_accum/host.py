@@ -582,6 +582,7 @@ class _SparseCore(_Core):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.capacity = 0  # the device buffer's rows (kept across takes)
+        self.unsettled = 0  # scatters dispatched since the last wait
         self._reset()
 
     def _reset(self) -> None:
@@ -666,34 +667,26 @@ class _SparseCore(_Core):
             padded[:nnz] = np.asarray(values)
             values = padded
         finite = self.finite(values) if self.skip_nonfinite else True
-        values, _, buffer = self.to_device(values)
+        values, _, _ = self.to_device(values, stage=False)  # its own buffer: no recycling
         if (host[1:] > host[:-1]).all():  # sorted and unique already, as TF expects
             unique, inverse = host, np.arange(nnz)
         else:
             unique, inverse = np.unique(host, return_inverse=True)
-        scattered = False
-        try:
-            with self.applying(step, finite) as accept:
-                if self.values_shape is not None and (
-                    len(values.shape) != len(self.values_shape)
-                    or values.shape[1:] != self.values_shape[1:]
-                ):
-                    raise ValueError(
-                        f"grad_values rows must have shape {list(self.values_shape[1:])} "
-                        f"(fixed by the first gradient since the last take), got "
-                        f"{list(values.shape[1:])}"
-                    )
-                if accept:
-                    if self.values_shape is None:
-                        self.values_shape = (0, *values.shape[1:])
-                    if nnz:
-                        with self.precision():
-                            self._add_rows(unique, inverse, values, nnz)
-                        self.in_flight.append(buffer)  # freed once the scatter is done
-                        scattered = True
-        finally:
-            if not scattered:  # nothing read it
-                self.recycle([buffer])
+        with self.applying(step, finite) as accept:
+            if self.values_shape is not None and (
+                len(values.shape) != len(self.values_shape)
+                or values.shape[1:] != self.values_shape[1:]
+            ):
+                raise ValueError(
+                    f"grad_values rows must have shape {list(self.values_shape[1:])} (fixed "
+                    f"by the first gradient since the last take), got {list(values.shape[1:])}"
+                )
+            if accept:
+                if self.values_shape is None:
+                    self.values_shape = (0, *values.shape[1:])
+                if nnz:
+                    with self.precision():
+                        self._add_rows(unique, inverse, values, nnz)
         return accept
 
     def _add_rows(
@@ -718,8 +711,10 @@ class _SparseCore(_Core):
             self.capacity = max(self.capacity if self.rows is None else 0, _bucket(needed))
         per_value = np.full(values.shape[0], self.capacity, np.int32)  # padding: dropped
         per_value[:nnz] = slots[inverse.reshape(-1)]
-        if self.rows is not None:
-            self.settle(self.rows)
+        self.unsettled += 1
+        if self.rows is not None and self.unsettled > _MAX_PENDING:
+            self.rows.block_until_ready()  # a few scatters in flight at most
+            self.unsettled = 0
         if fresh:
             self.rows = _scatter_fresh(
                 self.rows, per_value, values, capacity=self.capacity, dtype=self.acc_dtype
