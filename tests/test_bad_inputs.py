@@ -238,6 +238,12 @@ BAD: list[Bad] = [
     ),
     # ------------------------------------------------------------- sparse_conditional_accumulator
     Bad(
+        "sparse/inner='sgd'",
+        lambda: optax_accum.sparse_conditional_accumulator("sgd", 2, capacity=4),
+        TypeError,
+        r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
+    Bad(
         "sparse/capacity=0",
         lambda: _sparse(capacity=0),
         ValueError,
@@ -342,6 +348,18 @@ BAD: list[Bad] = [
         r"dense_shape must be a tuple of ints, got None",
     ),
     Bad(
+        "IndexedSlices/dense_shape str",
+        lambda: IndexedSlices(jnp.array([0]), jnp.ones((1, 2)), "10,2"),
+        TypeError,
+        r"dense_shape must be a tuple of ints, got '10,2' \(str\)",
+    ),
+    Bad(
+        "IndexedSlices/dense_shape float",
+        lambda: IndexedSlices(jnp.array([0]), jnp.ones((1, 2)), (10.5, 2)),
+        TypeError,
+        r"dense_shape must be a tuple of ints, got \(10\.5, 2\)",
+    ),
+    Bad(
         "IndexedSlices/dense_shape=()",
         lambda: IndexedSlices(jnp.array([0]), jnp.ones((1, 2)), ()),
         ValueError,
@@ -395,6 +413,13 @@ BAD: list[Bad] = [
         lambda: jax.jit(optax_accum.apply_updates)(jnp.zeros((5, 2)), _slices([0], [[1, 2]])),
         ValueError,
         r"updates has dense_shape \(10, 2\), which does not match the param's shape \(5, 2\)",
+    ),
+    Bad(
+        "apply_updates/tree mismatch",
+        lambda: jax.jit(optax_accum.apply_updates)({"a": jnp.zeros(2)}, {"b": jnp.zeros(2)}),
+        ValueError,
+        r"updates must have the tree structure of params: expected PyTreeDef\(\{'a': \*\}\), "
+        r"got PyTreeDef\(\{'b': \*\}\)",
     ),
     Bad(
         "apply_updates/vector param",
@@ -1200,8 +1225,8 @@ PENDING: list[tuple[Bad, str]] = [
             TypeError,
             r"inner must be an optax\.GradientTransformation.*got 'sgd'",
         ),
-        "accumulator.py (and sparse, staleness, cross_shard): check `inner` with "
-        "_common.require_transformation, as agn does",
+        "accumulator.py (and staleness, cross_shard): check `inner` with "
+        "_common.require_transformation, as agn and sparse do",
     ),
     (
         Bad(
@@ -1220,33 +1245,6 @@ PENDING: list[tuple[Bad, str]] = [
             r"num_required.*must return an integer.*got.*float",
         ),
         "accumulator.py _num_required_fn: check the schedule's dtype at trace time",
-    ),
-    (
-        Bad(
-            "IndexedSlices/dense_shape='10,2'",
-            lambda: IndexedSlices(jnp.array([0]), jnp.ones((1, 2)), "10,2"),
-            TypeError,
-            r"dense_shape must be a tuple of ints, got '10,2'",
-        ),
-        "indexed_slices.py _check_dense_shape: reject str (now: int() ValueError)",
-    ),
-    (
-        Bad(
-            "IndexedSlices/dense_shape=(10.5, 2)",
-            lambda: IndexedSlices(jnp.array([0]), jnp.ones((1, 2)), (10.5, 2)),
-            TypeError,
-            r"dense_shape must be a tuple of ints, got \(10\.5, 2\)",
-        ),
-        "indexed_slices.py _check_dense_shape: reject non-int dims (now truncated to 10)",
-    ),
-    (
-        Bad(
-            "apply_updates/tree mismatch",
-            lambda: jax.jit(optax_accum.apply_updates)({"a": jnp.zeros(2)}, {"b": jnp.zeros(2)}),
-            ValueError,
-            r"updates must have the tree structure of params",
-        ),
-        "indexed_slices.py apply_updates: compare structures (now JAX's tree_map text)",
     ),
     (
         Bad(
