@@ -27,8 +27,9 @@ def badge(name: str) -> str:
 
 SETUP = """
 # Setup. On Colab, install optax_accum. On a TPU runtime, use its TPU cores; anywhere
-# else, ask for 8 simulated CPU devices so the multi-device code runs unchanged.
-# Device settings only take effect before JAX is imported: run this cell first.
+# else (CPU or GPU runtimes), use 8 simulated CPU devices so the multi-device code runs
+# unchanged. Device settings only take effect before JAX is imported: run this first.
+import glob
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ if "google.colab" in sys.modules:
 ON_TPU = (
     "COLAB_TPU_ADDR" in os.environ
     or "TPU_ACCELERATOR_TYPE" in os.environ
-    or os.path.exists("/dev/accel0")
+    or bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 )
 if not ON_TPU:
     os.environ["JAX_PLATFORMS"] = "cpu"
