@@ -870,6 +870,7 @@ NOTEBOOKS["host_accumulator_threads"] = (
     ],
 )
 
+
 def build(name: str) -> nbformat.NotebookNode:
     title, intro, params, body = NOTEBOOKS[name]
     nb = v4.new_notebook()
