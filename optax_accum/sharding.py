@@ -185,6 +185,9 @@ def state_partition_specs(
       >>> specs.accumulator, specs.global_step
       (P('data',), P())
     """
+    _common.require_transformation("tx", tx)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r} ({type(mesh).__name__})")
     order = tuple(mesh.axis_names)
     axes = frozenset(order if grad_axes is None else grad_axes)
     p_axes = frozenset(param_axes)
