@@ -560,6 +560,18 @@ BAD: list[Bad] = [
         ValueError,
         r"grad_axes must name axes of the mesh \('data',\), got \['model'\]",
     ),
+    Bad(
+        "state_partition_specs/mesh=None",
+        lambda: optax_accum.state_partition_specs(_accumulate(), jnp.zeros(3), None),
+        TypeError,
+        r"mesh must be a jax\.sharding\.Mesh, got None \(NoneType\)",
+    ),
+    Bad(
+        "state_partition_specs/tx='sgd'",
+        lambda: optax_accum.state_partition_specs("sgd", jnp.zeros(3), _mesh()),
+        TypeError,
+        r"tx must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
     # ---------------------------------------------------------------- drop_stale_gradients
     Bad(
         "drop_stale/staleness=1.5",
@@ -1256,15 +1268,6 @@ PENDING: list[tuple[Bad, str]] = [
             r"state.*is a scalar that differs between replicas",
         ),
         "sharding.py/_common._make_varying: JAX's pvary error from inside the fixpoint loop",
-    ),
-    (
-        Bad(
-            "state_partition_specs/mesh=None",
-            lambda: optax_accum.state_partition_specs(_accumulate(), jnp.zeros(3), None),
-            TypeError,
-            r"mesh must be a jax\.sharding\.Mesh, got None",
-        ),
-        "sharding.py state_partition_specs: check `mesh` (now AttributeError)",
     ),
 ]
 
