@@ -56,29 +56,27 @@ def _num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Arr
     return lambda step: _common.int32(k)
 
 
-def _zeros_from(like: Any, sources: Any) -> Any:
+def _unmerged_zeros(like: Any, count: jax.Array) -> Any:
     """Zeros shaped like `like`, each leaf written by its own broadcast.
 
-    XLA merges equal broadcasts of the constant 0 into one buffer and then copies it
-    into every output leaf: a read and a write more per leaf. A zero computed from
-    the matching leaf of `sources` (|x| * 0 for its first element x when finite, else
-    0: always +0.0) is a different value to XLA, so nothing is merged or copied.
-    Plain zeros where that cannot apply: other tree structures, empty leaves, and
-    sources that vary over mesh axes `like` does not (their zeros would vary too).
+    XLA merges equal broadcasts of the constant 0 into one buffer, then copies that
+    buffer into every output leaf: a read and a write more per leaf. Leaf i broadcasts
+    `(max(count, 0) >> 31) & (i + 1)` instead, which is 0 for every int32 `count` but
+    a different run-time value to XLA for each leaf, so nothing is merged or copied.
+    (Were XLA to fold it, the leaves would be merged again: slower, still exact.) A
+    replicated counter, not the data, so sharded leaves need no collective. Plain zeros
+    for leaves that must not vary over mesh axes that `count` varies over.
     """
-    if jax.tree.structure(like) != jax.tree.structure(sources):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+    high = jnp.maximum(count, 0) >> 31
+    leaves, treedef = jax.tree.flatten(like)
 
-    def zeros(s: Any, source: jax.Array) -> jax.Array:
+    def zeros(i: int, s: Any) -> jax.Array:
         aval = s if isinstance(s, jax.ShapeDtypeStruct) else jax.typeof(s)
-        varying = _common._varying_axes(jax.typeof(source)) - _common._varying_axes(aval)
-        if source.size == 0 or varying:
+        if _common._varying_axes(jax.typeof(high)) - _common._varying_axes(aval):
             return jnp.zeros(s.shape, s.dtype)
-        x = source.reshape(-1)[0]
-        zero = jnp.where(jnp.isfinite(x), jnp.abs(x) * 0, 0).astype(s.dtype)
-        return jnp.broadcast_to(zero, s.shape)
+        return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape)
 
-    return jax.tree.map(zeros, like, sources)
+    return jax.tree.unflatten(treedef, [zeros(i, s) for i, s in enumerate(leaves)])
 
 
 def conditional_accumulator(
@@ -218,11 +216,11 @@ def conditional_accumulator(
 
         # Shapes, dtypes and (under shard_map) varying axes of a release's updates.
         released, _, _ = jax.eval_shape(release, ((), state.inner_state, state.accumulator))
-        held = _zeros_from(released, updates)
+        held = _unmerged_zeros(released, count)
         new_updates, inner_state, accumulator = _common.apply_if(
             emit, release, (held, state.inner_state, state.accumulator)
         )
-        accumulator = _common.apply_if(emit, lambda acc: _zeros_from(acc, updates), accumulator)
+        accumulator = _common.apply_if(emit, lambda acc: _unmerged_zeros(acc, count), accumulator)
         accumulator = _common.apply_if(
             ~emit, lambda acc: jax.tree.map(accumulate, acc, updates), accumulator
         )
