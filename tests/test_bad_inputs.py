@@ -1237,8 +1237,25 @@ PENDING: list[tuple[Bad, str]] = [
             TypeError,
             r"inner must be an optax\.GradientTransformation.*got 'sgd'",
         ),
-        "accumulator.py (and staleness, cross_shard): check `inner` with "
-        "_common.require_transformation, as agn and sparse do",
+        "accumulator.py: check `inner` with _common.require_transformation, as agn and sparse do",
+    ),
+    (
+        Bad(
+            "drop_stale_gradients/inner='sgd'",
+            lambda: optax_accum.drop_stale_gradients("sgd", 1),
+            TypeError,
+            r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+        ),
+        "staleness.py: check `inner` with _common.require_transformation",
+    ),
+    (
+        Bad(
+            "cross_shard_optimizer/inner='sgd'",
+            lambda: optax_accum.cross_shard_optimizer("sgd", "i"),
+            TypeError,
+            r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+        ),
+        "cross_shard.py: check `inner` with _common.require_transformation",
     ),
     (
         Bad(
