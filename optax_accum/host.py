@@ -40,7 +40,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -441,25 +441,24 @@ class _Core:
             )
         if ticket.error is not None:
             raise ticket.error
-        with self.precision():  # the answer is computed here, outside the lock
-            return ticket.result()
+        return ticket.result
 
     def _serve(self) -> None:
-        """Completes the head take when enough gradients are in (lock held).
-
-        Only bookkeeping happens under the lock: the accumulated state moves into
-        the ticket and resets, and the waiting thread computes the answer from it,
-        while new gradients already accumulate afresh.
-        """
+        """Completes the head take when enough gradients are in (lock held)."""
         if not self._takes or self.count < self._takes[0].num_required:
             return
         ticket = self._takes.popleft()
-        ticket.finish(self._release())
+        try:
+            with self.precision():
+                result = self._release()
+        except Exception as e:  # a device failure: the waiting thread re-raises it
+            ticket.finish(error=e)
+            return
         self.global_step += 1
         self.count = 0
+        ticket.finish(result)
 
-    def _release(self) -> Callable[[], Any]:
-        """Detaches the aggregate and resets it; returns how to compute the answer."""
+    def _release(self) -> Any:
         raise NotImplementedError
 
     def cancel_waiting_takes(self) -> int:
@@ -549,30 +548,26 @@ class _DenseCore(_Core):
         self.in_flight += [b for _, _, b in self.pending if b is not None]
         self.pending = []
 
-    def _release(self) -> Callable[[], jax.Array]:
-        aggregate, pending, count = self.aggregate, self.pending, self.count
-        buffers = self.in_flight + [b for _, _, b in pending if b is not None]
-        self.aggregate, self.pending, self.grad_shape, self.in_flight = None, [], None, []
-
-        def answer() -> jax.Array:
-            result, grads = aggregate, tuple(g for g, _, _ in pending)
-            if result is None and len(pending) == 1 and pending[0][1]:
-                result, grads = grads[0], ()  # our own copy of the only gradient
-            if grads or (self.mean and count > 1) or result.dtype != self.dtype:
-                finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
-                result = finish(
-                    result,
-                    grads,
-                    _common.int32(count),
-                    mean=self.mean,
-                    acc_dtype=self.acc_dtype,
-                    dtype=self.dtype,
-                )
-            jax.block_until_ready(result)  # then no kernel reads the staging buffers
-            self.recycle(buffers)
-            return result
-
-        return answer
+    def _release(self) -> jax.Array:
+        aggregate, pending = self.aggregate, self.pending
+        self.aggregate, self.pending, self.grad_shape = None, [], None
+        if aggregate is None and len(pending) == 1 and pending[0][1]:
+            aggregate, pending = pending[0][0], []  # our own copy of the only gradient
+        if not pending and (not self.mean or self.count == 1) and aggregate.dtype == self.dtype:
+            self.settle(aggregate)  # the last add's inputs are free once it is done
+            return aggregate  # nothing to add, divide or cast
+        finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
+        result = finish(
+            aggregate,
+            tuple(g for g, _, _ in pending),
+            _common.int32(self.count),
+            mean=self.mean,
+            acc_dtype=self.acc_dtype,
+            dtype=self.dtype,
+        )
+        self.in_flight += [b for _, _, b in pending if b is not None]
+        self.settle(result)
+        return result
 
 
 class _SparseCore(_Core):
@@ -727,39 +722,34 @@ class _SparseCore(_Core):
         else:
             self.rows = _scatter_add(self.rows, per_value, values)
 
-    def _release(self) -> Callable[[], tuple[jax.Array, jax.Array, tuple[int, ...]]]:
-        rows, capacity = self.rows, self.capacity
-        sorted_rows, sorted_slots = self.sorted_rows, self.sorted_slots
-        counts = self.row_counts[sorted_slots]
+    def _release(self) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
+        n = self.sorted_rows.shape[0]
         dims = (self.shape[0] if self.shape and self.shape[0] is not None else -1,)
         dims += tuple(self.values_shape[1:])
-        self._reset()
-
-        def answer() -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
-            n = sorted_rows.shape[0]
-            indices, _, _ = self.to_device(sorted_rows.astype(np.int32), stage=False)
-            if n == 0:
-                return indices, jnp.zeros((0, *dims[1:]), self.dtype), dims
-            in_order = bool((sorted_slots == np.arange(n)).all())
-            if in_order and (not self.mean or (counts == 1).all()) and rows.dtype == self.dtype:
-                taken = rows  # slots already sorted, nothing to divide: no kernel
+        indices, _, _ = self.to_device(self.sorted_rows.astype(np.int32), stage=False)
+        if n == 0:
+            values = jnp.zeros((0, *self.values_shape[1:]), self.dtype)
+        else:
+            counts = self.row_counts[self.sorted_slots]
+            in_order = bool((self.sorted_slots == np.arange(n)).all())
+            if (
+                in_order
+                and (not self.mean or (counts == 1).all())
+                and self.rows.dtype == self.dtype
+            ):
+                taken = self.rows  # slots already sorted, nothing to divide: no kernel
             else:
-                order = np.zeros(capacity, np.int32)
-                order[:n] = sorted_slots
-                padded_counts = np.ones(capacity, np.int32)
+                order = np.zeros(self.capacity, np.int32)
+                order[:n] = self.sorted_slots
+                gather = _gather_in_place if self.rows.dtype == self.dtype else _gather_copy
+                padded_counts = np.ones(self.capacity, np.int32)
                 padded_counts[:n] = counts
-                gather = _gather_in_place if rows.dtype == self.dtype else _gather_copy
-                taken = gather(rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
-            # Cut to the n real rows on the host: a device slice compiles once per n. On
-            # a CPU device the cut is a view of `taken`, which nothing writes again.
-            cut = np.asarray(taken)[:n]
-            if self.staging is None:
-                values, _, _ = self.to_device(cut, stage=False)
-            else:
-                values = jax.device_put(cut, may_alias=True)
-            return indices, values, dims
-
-        return answer
+                taken = gather(self.rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
+            # Cut to the n real rows on the host: a device slice compiles once per n.
+            values, _, _ = self.to_device(np.asarray(taken)[:n], stage=False)
+            self.settle(taken)
+        self._reset()
+        return indices, values, dims
 
 
 _registry: weakref.WeakValueDictionary[str, _Core] = weakref.WeakValueDictionary()
