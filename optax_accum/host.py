@@ -745,8 +745,13 @@ class _SparseCore(_Core):
                 padded_counts = np.ones(self.capacity, np.int32)
                 padded_counts[:n] = counts
                 taken = gather(self.rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
-            # Cut to the n real rows on the host: a device slice compiles once per n.
-            values, _, _ = self.to_device(np.asarray(taken)[:n], stage=False)
+            # Cut to the n real rows on the host: a device slice compiles once per n. On
+            # a CPU device the cut is a view of `taken`, which nothing writes again.
+            cut = np.asarray(taken)[:n]
+            if self.staging is None:
+                values, _, _ = self.to_device(cut, stage=False)
+            else:
+                values = jax.device_put(cut, may_alias=True)
             self.settle(taken)
         self._reset()
         return indices, values, dims
