@@ -912,7 +912,8 @@ class ConditionalAccumulator(_HostAccumulator):
     buffer-donating adds (up to four accepted gradients wait to be added in one pass;
     the take adds the rest and divides in the same pass); `take_grad` returns a
     `jax.Array` of `dtype`. NumPy gradients are copied at once, so actors may reuse
-    their buffers.
+    their buffers; on a CPU device the copies go to a pool of aligned host buffers that
+    is reused, so memory holds the aggregate plus up to eight gradient-sized buffers.
 
     Differences from TF: every gradient is validated, stale or not; float16 and
     bfloat16 accumulate in float32 (returned in `dtype`); bfloat16 is supported and
