@@ -384,6 +384,7 @@ def cross_shard_optimizer(
       Array([[-2., -3.],
              [-2., -3.]], dtype=float32)
     """
+    inner = _common.require_transformation("inner", inner)
     return optax.chain(
         cross_shard(
             axis_name,

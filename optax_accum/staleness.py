@@ -134,7 +134,7 @@ def drop_stale_gradients(
       >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
       0.333
     """
-    inner = optax.with_extra_args_support(inner)
+    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
     staleness = _check_staleness(staleness)
     axis_name = _common.require_axis_name("axis_name", axis_name)
 

@@ -768,6 +768,18 @@ BAD: list[Bad] = [
         TypeError,
         r"local_step must be an integer scalar, got 0\.5",
     ),
+    Bad(
+        "drop_stale_gradients/inner='sgd'",
+        lambda: optax_accum.drop_stale_gradients("sgd", 1),
+        TypeError,
+        r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
+    Bad(
+        "cross_shard_optimizer/inner='sgd'",
+        lambda: optax_accum.cross_shard_optimizer("sgd", "i"),
+        TypeError,
+        r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
 ]
 
 
@@ -1238,24 +1250,6 @@ PENDING: list[tuple[Bad, str]] = [
             r"inner must be an optax\.GradientTransformation.*got 'sgd'",
         ),
         "accumulator.py: check `inner` with _common.require_transformation, as agn and sparse do",
-    ),
-    (
-        Bad(
-            "drop_stale_gradients/inner='sgd'",
-            lambda: optax_accum.drop_stale_gradients("sgd", 1),
-            TypeError,
-            r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
-        ),
-        "staleness.py: check `inner` with _common.require_transformation",
-    ),
-    (
-        Bad(
-            "cross_shard_optimizer/inner='sgd'",
-            lambda: optax_accum.cross_shard_optimizer("sgd", "i"),
-            TypeError,
-            r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
-        ),
-        "cross_shard.py: check `inner` with _common.require_transformation",
     ),
     (
         Bad(
