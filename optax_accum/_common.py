@@ -261,12 +261,13 @@ def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     the caller's own buffers) passes through untouched. `lax.cond` instead copies
     operands that a branch passes through into its result buffers: with Adam state
     that made a held accumulation step several times dearer than the accumulation
-    itself (benchmarks/NOTES.md). Arrays `fn` closes over enter the loop as read-only
-    operands, and an optimization barrier keeps XLA from hoisting work on them out of
-    the loop (where it would run on every call). `fn` must return a tree with
-    `carry`'s structure, shapes and dtypes. Varying types under `jax.shard_map` are
-    joined as in `cond`;
-    `pred` must be the same on every replica when `fn` holds a collective. Unlike
+    itself (benchmarks/NOTES.md). Floating-point arrays `fn` closes over enter the loop
+    as read-only operands, and an optimization barrier keeps XLA from hoisting work on
+    them out of the loop (where it would run on every call); `jax.closure_convert`
+    leaves integer and boolean ones closed over, so pass large ones in `carry`. `fn`
+    must return a tree with `carry`'s structure, shapes and dtypes. Varying types under
+    `jax.shard_map` are joined as in `cond`; `pred` must be the same on every replica
+    when `fn` holds a collective. Unlike
     `lax.cond`, this is not reverse-mode differentiable (optimizer updates never are
     differentiated in this library).
     """
