@@ -15,6 +15,9 @@ interleaved rounds (after a warm-up round) of per-round ratios:
   (e) all of the above with bfloat16 params (float32 accumulator, bfloat16 Adam
       moments).
 
+(b) and (c) are also set against hand-fused jits that do only the work any
+implementation must do, to tell our overhead from the cost of the task itself.
+
 Run from the repository root: `python benchmarks/dense.py` (`--rounds 5` for a quick
 look). Prints a table of ratios with the targets and writes every figure to
 `benchmarks/results/dense.json`. The machine may be shared: check `uptime`, and re-run
