@@ -82,6 +82,20 @@ def require_transformation(name: str, value: Any, *, optional: bool = False) -> 
     )
 
 
+def require_state(state: Any, state_type: type) -> None:
+    """Raises a TypeError naming the expected state type when `state` is another one.
+
+    Called at trace time by `update`: a state from another transform (or a chain's
+    tuple passed to one of its members) otherwise fails deep inside with an
+    AttributeError.
+    """
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"state must be a {state_type.__name__} (as returned by this transform's init), "
+            f"got {type(state).__name__}"
+        )
+
+
 def require_bool(name: str, value: Any) -> bool:
     """Returns `value` if it is a Python bool; TypeError otherwise."""
     if not isinstance(value, bool | np.bool_):
@@ -245,7 +259,12 @@ def _tied_to(flag: jax.Array, tree: Any) -> Any:
     by_axes: dict[frozenset, list[int]] = {}
     for i, x in enumerate(leaves):
         by_axes.setdefault(_varying_axes(jax.typeof(x)), []).append(i)
-    for idx in by_axes.values():
+    flag_axes = _varying_axes(jax.typeof(flag))
+    for axes, idx in by_axes.items():
+        if not flag_axes <= axes:
+            # A per-replica flag would make these leaves per-replica too, against the
+            # types `fn` was traced with; left untied, XLA may only hoist their work.
+            continue
         _, tied = lax.optimization_barrier((flag, [leaves[i] for i in idx]))
         for i, x in zip(idx, tied, strict=True):
             leaves[i] = x
@@ -347,6 +366,7 @@ __all__ = [
     "require_axis_name",
     "require_bool",
     "require_bound_axis",
+    "require_state",
     "require_transformation",
     "require_positive_int",
     "saturating_add",

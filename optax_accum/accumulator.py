@@ -34,6 +34,15 @@ class ConditionalAccumulatorState(NamedTuple):
       accumulator: the running sum of accepted gradients, in the accumulator dtype
         (under an `axis_name`, each replica holds the sum of its own gradients).
       inner_state: the wrapped optimizer's state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> _, state = tx.update(jnp.ones(2), state, local_step=0)
+      >>> _, state = tx.update(jnp.ones(2), state, local_step=-1)  # stale
+      >>> int(state.count), int(state.num_dropped), state.accumulator
+      (1, 1, Array([1., 1.], dtype=float32))
     """
 
     global_step: jax.Array
@@ -51,7 +60,17 @@ NumRequired = int | Callable[[jax.Array], Any]
 def _num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Array]:
     """Validates `num_required` and returns it as a function of the global step."""
     if callable(num_required):
-        return lambda step: jnp.maximum(jnp.asarray(num_required(step), jnp.int32), 1)
+
+        def scheduled(step: jax.Array) -> jax.Array:
+            k = num_required(step)
+            if not jnp.issubdtype(jnp.result_type(k), jnp.integer):
+                raise TypeError(
+                    "num_required: a schedule must return an integer, "
+                    f"got {jnp.result_type(k)} for step {step}"
+                )
+            return jnp.maximum(jnp.asarray(k).astype(jnp.int32), 1)
+
+        return scheduled
     k = _common.require_positive_int("num_required", num_required)
     return lambda step: _common.int32(k)
 
@@ -155,7 +174,7 @@ def conditional_accumulator(
       >>> int(optax_accum.global_step(state)), int(state.num_dropped)
       (1, 1)
     """
-    inner = optax.with_extra_args_support(inner)
+    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
     required = _num_required_fn(num_required)
     mean = _common.canonical_reduction(reduction) == "mean"
     acc_dtype = _common.floating_dtype("accumulator_dtype", accumulator_dtype)
@@ -182,6 +201,7 @@ def conditional_accumulator(
         local_step: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
+        _common.require_state(state, ConditionalAccumulatorState)
         _common.check_tree_matches(updates, state.accumulator, what="updates")
         step = _common.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step

@@ -211,6 +211,7 @@ def agn(
                 "agn needs params: call update(grads, state, params) with this worker's "
                 "current (local) parameters, got params=None"
             )
+        _common.require_state(state, AGNState)
         _common.check_tree_matches(updates, state.centre, what="updates")
         _common.check_tree_matches(params, state.centre, what="params")
         if axis_name is not None:

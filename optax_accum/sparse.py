@@ -445,6 +445,7 @@ def sparse_conditional_accumulator(
         local_step: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
+        _common.require_state(state, SparseConditionalAccumulatorState)
         _check_updates(updates, state.accumulator)
         step = _common.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step

@@ -155,6 +155,7 @@ def drop_stale_gradients(
         local_step: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, DropStaleGradientsState]:
+        _common.require_state(state, DropStaleGradientsState)
         step = _common.local_step_or(local_step, state.global_step)
         accept = _within(_lag(state.global_step, step), staleness)
         if axis_name is not None:

@@ -769,6 +769,32 @@ BAD: list[Bad] = [
         r"local_step must be an integer scalar, got 0\.5",
     ),
     Bad(
+        "conditional_accumulator/inner='sgd'",
+        lambda: optax_accum.conditional_accumulator("sgd", 2),
+        TypeError,
+        r"inner must be an optax\.GradientTransformation.*got 'sgd'",
+    ),
+    Bad(
+        "conditional_accumulator.update/state of another transform",
+        lambda: _jit_update(_accumulate(), GRADS, state=optax.EmptyState()),
+        TypeError,
+        r"state must be a ConditionalAccumulatorState.*got EmptyState",
+    ),
+    Bad(
+        "conditional_accumulator/num_required schedule returns a float",
+        lambda: _jit_update(optax_accum.conditional_accumulator(SGD, lambda s: 2.5), GRADS),
+        TypeError,
+        r"num_required.*must return an integer.*got.*float",
+    ),
+    Bad(
+        "state_partition_specs/scalar state leaf that differs between replicas",
+        lambda: optax_accum.state_partition_specs(
+            _accumulate(skip_nonfinite=True), jnp.zeros(3), _mesh()
+        ),
+        ValueError,
+        r"state.*is a scalar that differs between replicas",
+    ),
+    Bad(
         "drop_stale_gradients/inner='sgd'",
         lambda: optax_accum.drop_stale_gradients("sgd", 1),
         TypeError,
@@ -1232,66 +1258,6 @@ def test_shared_name_clash_is_rejected_and_leaves_the_first_untouched(first, sec
     again = cls(shared_name=name, **first)  # the same signature still shares it
     assert again.accumulator_ref is acc.accumulator_ref
     assert again.num_accumulated() == 1
-
-
-# --------------------------------------------------------------------------- pending fixes
-# Malformed calls whose error does not meet the bar yet (an AttributeError from optax
-# or JAX, a message that names the wrong argument, or no error at all). Each is the
-# test of the right behaviour, marked strict xfail with the module that must change:
-# when the fix lands the test passes, strict xfail turns that into a failure, and the
-# marker must go. Listed in the report to the lead.
-
-PENDING: list[tuple[Bad, str]] = [
-    (
-        Bad(
-            "conditional_accumulator/inner='sgd'",
-            lambda: optax_accum.conditional_accumulator("sgd", 2),
-            TypeError,
-            r"inner must be an optax\.GradientTransformation.*got 'sgd'",
-        ),
-        "accumulator.py: check `inner` with _common.require_transformation, as agn and sparse do",
-    ),
-    (
-        Bad(
-            "conditional_accumulator.update/state of another transform",
-            lambda: _jit_update(_accumulate(), GRADS, state=optax.EmptyState()),
-            TypeError,
-            r"state must be a ConditionalAccumulatorState.*got EmptyState",
-        ),
-        "accumulator.py (and the other stateful transforms): check the state's type",
-    ),
-    (
-        Bad(
-            "conditional_accumulator/num_required schedule returns a float",
-            lambda: _jit_update(optax_accum.conditional_accumulator(SGD, lambda s: 2.5), GRADS),
-            TypeError,
-            r"num_required.*must return an integer.*got.*float",
-        ),
-        "accumulator.py _num_required_fn: check the schedule's dtype at trace time",
-    ),
-    (
-        Bad(
-            "state_partition_specs/scalar state leaf that differs between replicas",
-            lambda: optax_accum.state_partition_specs(
-                _accumulate(skip_nonfinite=True), jnp.zeros(3), _mesh()
-            ),
-            ValueError,
-            r"state.*is a scalar that differs between replicas",
-        ),
-        "sharding.py/_common._make_varying: JAX's pvary error from inside the fixpoint loop",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=why)) for b, why in PENDING],
-    ids=[b.id for b, _ in PENDING],
-)
-def test_pending_fix(bad: Bad):
-    with pytest.raises(bad.error, match=bad.match) as info:
-        _in_thread(bad.call)
-    assert _raised_by_optax_accum(info), f"raised outside optax_accum: {info.traceback[-1]}"
 
 
 # --------------------------------------------------------------------------- values inside jit
