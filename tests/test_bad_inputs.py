@@ -710,6 +710,28 @@ BAD: list[Bad] = [
         TypeError,
         r"has_aux must be a bool, got 'yes' \(str\)",
     ),
+    # ---------------------------------------------------------------- foreign states
+    Bad(
+        "sparse.update/state of another transform",
+        lambda: _jit_update(_sparse(), _slices([0], [[1, 2]]), TABLE, state=optax.EmptyState()),
+        TypeError,
+        r"state must be a SparseConditionalAccumulatorState \(as returned by this "
+        r"transform's init\), got EmptyState",
+    ),
+    Bad(
+        "agn.update/state of another transform",
+        lambda: _jit_update(_agn(), GRADS, PARAMS, state=_drop().init(PARAMS)),
+        TypeError,
+        r"state must be a AGNState \(as returned by this transform's init\), got "
+        r"DropStaleGradientsState",
+    ),
+    Bad(
+        "drop_stale.update/state of another transform",
+        lambda: _jit_update(_drop(), GRADS, state=_accumulate().init(PARAMS)),
+        TypeError,
+        r"state must be a DropStaleGradientsState \(as returned by this transform's init\), "
+        r"got ConditionalAccumulatorState",
+    ),
     # ---------------------------------------------------------------- state accessors
     Bad(
         "global_step/no step state",
