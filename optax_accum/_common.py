@@ -226,28 +226,6 @@ def _make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
     return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
-def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
-    """`lax.cond` whose branches may differ in which mesh axes their outputs vary over.
-
-    Under `jax.shard_map`, an emit branch that ends in `psum` returns replica-invariant
-    values while the hold branch returns the replica's own (varying) ones, and
-    `lax.cond` rejects the mismatch. Each output leaf is marked varying over the union
-    of both branches' axes (a type-level cast: no data moves). Elsewhere it is plain
-    `lax.cond`. `pred` must be the same on every replica when a branch holds a
-    collective; the callers make it so.
-    """
-    out_true = jax.eval_shape(true_fn, *operands)
-    out_false = jax.eval_shape(false_fn, *operands)
-    axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), out_true, out_false)
-    if not any(jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, frozenset))):
-        return lax.cond(pred, true_fn, false_fn, *operands)
-
-    def joined(fn: Callable) -> Callable:
-        return lambda *ops: jax.tree.map(_make_varying, fn(*ops), axes)
-
-    return lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
-
-
 def _tied_to(flag: jax.Array, tree: Any) -> Any:
     """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type.
 
@@ -284,11 +262,12 @@ def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     as read-only operands, and an optimization barrier keeps XLA from hoisting work on
     them out of the loop (where it would run on every call); `jax.closure_convert`
     leaves integer and boolean ones closed over, so pass large ones in `carry`. `fn`
-    must return a tree with `carry`'s structure, shapes and dtypes. Varying types under
-    `jax.shard_map` are joined as in `cond`; `pred` must be the same on every replica
-    when `fn` holds a collective. Unlike
-    `lax.cond`, this is not reverse-mode differentiable (optimizer updates never are
-    differentiated in this library).
+    must return a tree with `carry`'s structure, shapes and dtypes. Under
+    `jax.shard_map`, each output leaf is marked varying over the mesh axes it varies
+    over in `carry` or in `fn(carry)` (a type-level cast: no data moves); `pred` must
+    be the same on every replica when `fn` holds a collective. Unlike `lax.cond`, this
+    is not reverse-mode differentiable (optimizer updates never are differentiated in
+    this library).
     """
     out = jax.eval_shape(fn, carry)
     axes = jax.tree.map(lambda c, o: _varying_axes(jax.typeof(c)) | _varying_axes(o), carry, out)
@@ -358,7 +337,6 @@ __all__ = [
     "apply_if",
     "canonical_reduction",
     "check_tree_matches",
-    "cond",
     "floating_dtype",
     "int32",
     "local_step_or",

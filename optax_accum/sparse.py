@@ -491,17 +491,17 @@ def sparse_conditional_accumulator(
 
             return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_buffer)
 
-        # The accumulator is read, never returned, by the branches: a buffer passed
-        # through `cond` would be copied on every step.
-        def release(accumulator, inner_state):
+        # The release reads the accumulator and never returns it; a held step passes
+        # the inner state through in place (see apply_if).
+        def release(carry):
+            _, inner_state = carry
             return inner.update(aggregate(accumulator), inner_state, params, **extra_args)
 
-        def hold(accumulator, inner_state):
-            shapes = jax.eval_shape(aggregate, accumulator)
-            held = _common.zero_updates(inner, shapes, inner_state, params, **extra_args)
-            return _as_padding(held), inner_state
-
-        new_updates, inner_state = _common.cond(emit, release, hold, accumulator, state.inner_state)
+        shapes = jax.eval_shape(aggregate, accumulator)
+        held = _common.zero_updates(inner, shapes, state.inner_state, params, **extra_args)
+        new_updates, inner_state = _common.apply_if(
+            emit, release, (_as_padding(held), state.inner_state)
+        )
         accumulator = jax.tree.map(
             lambda a: _reset_if(emit, a) if _is_buffer(a) else jnp.where(emit, 0, a),
             accumulator,

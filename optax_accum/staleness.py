@@ -162,15 +162,13 @@ def drop_stale_gradients(
             _common.require_bound_axis(axis_name)
             accept = lax.pmin(accept.astype(jnp.int32), axis_name) > 0
 
-        def apply(inner_state):
+        def apply(carry):
+            _, inner_state = carry
             return inner.update(updates, inner_state, params, **extra_args)
 
-        def drop(inner_state):
-            return _common.zero_updates(inner, updates, inner_state, params, **extra_args), (
-                inner_state
-            )
-
-        new_updates, inner_state = _common.cond(accept, apply, drop, state.inner_state)
+        # A dropped update passes the inner state through in place (see apply_if).
+        dropped = _common.zero_updates(inner, updates, state.inner_state, params, **extra_args)
+        new_updates, inner_state = _common.apply_if(accept, apply, (dropped, state.inner_state))
         new_state = DropStaleGradientsState(
             global_step=jnp.where(
                 accept, optax.safe_increment(state.global_step), state.global_step
