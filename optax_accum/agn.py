@@ -44,6 +44,15 @@ class AGNState(NamedTuple):
         every replica.
       inner_state: the local optimizer's state (this replica's own), kept across syncs.
       outer_state: the state of the optimizer that moves the centre.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.agn(optax.sgd(0.1), communication_period=2)
+      >>> params = jnp.ones(2)
+      >>> state = tx.init(params)
+      >>> u, state = tx.update(jnp.ones(2), state, params)  # a local step
+      >>> int(state.count), int(state.global_step), state.centre
+      (1, 0, Array([1., 1.], dtype=float32))
     """
 
     global_step: jax.Array
