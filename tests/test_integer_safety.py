@@ -229,3 +229,19 @@ def test_host_counters_are_python_ints_that_do_not_wrap():
     assert acc.apply_grad(np.ones(1, np.float32), local_step=2**40)
     assert float(acc.take_grad(1, timeout=10.0)[0]) == 1.0
     assert (acc.global_step, acc.num_dropped) == (2**40 + 1, 1)
+
+
+def test_agn_round_nonfinite_summed_over_replicas_saturates():
+    """Each replica skipped MAX gradients in a MAX-step round: the sum stops at MAX."""
+    tx = optax_accum.agn(SGD, MAX, axis_name="r", skip_nonfinite=True)
+    step = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name="r"))
+    params = jnp.zeros((2, 3))
+    state = jax.vmap(tx.init)(params)
+    state = state._replace(
+        count=jnp.full(2, MAX - 1, jnp.int32),
+        round_nonfinite=jnp.full((2, 1), MAX - 1, jnp.int32),
+    )
+    _, state = step(jnp.full((2, 3), np.nan, np.float32), state, params)  # syncs
+    np.testing.assert_array_equal(np.asarray(optax_accum.global_step(state)), [1, 1])
+    np.testing.assert_array_equal(np.asarray(state.num_nonfinite), [MAX, MAX])
+    np.testing.assert_array_equal(np.asarray(state.round_nonfinite), [[0], [0]])
