@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -206,6 +207,11 @@ def saturating_add(count: jax.Array, increment: jax.Array) -> jax.Array:
     return jnp.where(count > _INT32_MAX - increment, _INT32_MAX, count + increment)
 
 
+def increment_if(pred: jax.Array, counter: jax.Array) -> jax.Array:
+    """`counter + 1` where `pred` holds (stopping at the int32 maximum), else `counter`."""
+    return jnp.where(pred, optax.safe_increment(counter), counter)
+
+
 def int32(value: Any) -> jax.Array:
     """A scalar int32 array."""
     return jnp.asarray(value, dtype=jnp.int32)
@@ -338,6 +344,7 @@ __all__ = [
     "canonical_reduction",
     "check_tree_matches",
     "floating_dtype",
+    "increment_if",
     "int32",
     "local_step_or",
     "reduce_dense",

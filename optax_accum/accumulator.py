@@ -245,7 +245,7 @@ def conditional_accumulator(
             ~emit, lambda acc: jax.tree.map(accumulate, acc, updates), accumulator
         )
         new_state = ConditionalAccumulatorState(
-            global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
+            global_step=_common.increment_if(emit, state.global_step),
             count=jnp.where(emit, 0, count),
             num_dropped=num_dropped,
             num_nonfinite=num_nonfinite,

@@ -278,7 +278,7 @@ def agn(
         pull = optax.tree.cast_like(jax.tree.map(lambda c, p: c - p, centre, params), local_updates)
         new_updates = _common.tree_select(sync, pull, local_updates)
         new_state = AGNState(
-            global_step=jnp.where(sync, optax.safe_increment(state.global_step), state.global_step),
+            global_step=_common.increment_if(sync, state.global_step),
             count=jnp.where(sync, 0, count),
             num_nonfinite=num_nonfinite,
             round_nonfinite=round_nonfinite,

@@ -508,7 +508,7 @@ def sparse_conditional_accumulator(
             is_leaf=_is_buffer,
         )
         new_state = SparseConditionalAccumulatorState(
-            global_step=jnp.where(emit, optax.safe_increment(state.global_step), state.global_step),
+            global_step=_common.increment_if(emit, state.global_step),
             count=jnp.where(emit, 0, count),
             num_dropped=_common.saturating_add(state.num_dropped, arrived[1]),
             num_nonfinite=_common.saturating_add(state.num_nonfinite, arrived[2]),

@@ -170,12 +170,8 @@ def drop_stale_gradients(
         dropped = _common.zero_updates(inner, updates, state.inner_state, params, **extra_args)
         new_updates, inner_state = _common.apply_if(accept, apply, (dropped, state.inner_state))
         new_state = DropStaleGradientsState(
-            global_step=jnp.where(
-                accept, optax.safe_increment(state.global_step), state.global_step
-            ),
-            num_dropped=jnp.where(
-                accept, state.num_dropped, optax.safe_increment(state.num_dropped)
-            ),
+            global_step=_common.increment_if(accept, state.global_step),
+            num_dropped=_common.increment_if(~accept, state.num_dropped),
             emitted=accept,
             inner_state=inner_state,
         )
