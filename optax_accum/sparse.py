@@ -58,6 +58,8 @@ class SparseConditionalAccumulatorState(NamedTuple):
       num_nonfinite: int32, gradients skipped for a NaN or Inf (`skip_nonfinite`).
       num_overflowed: int32, gradients rejected because a sparse leaf would have held
         more than `capacity` distinct rows.
+      num_out_of_range: int32, rows of accepted gradients whose id lay outside
+        `[0, num_rows]` and were ignored (the padding id `num_rows` is not counted).
       emitted: bool, whether the last `update` released an update.
       accumulator: the params' tree, holding a `RowBuffer` for each sparse leaf and the
         running sum (per replica under an `axis_name`) for each dense leaf.
@@ -79,6 +81,7 @@ class SparseConditionalAccumulatorState(NamedTuple):
     num_dropped: jax.Array
     num_nonfinite: jax.Array
     num_overflowed: jax.Array
+    num_out_of_range: jax.Array
     emitted: jax.Array
     accumulator: Any
     inner_state: optax.OptState
@@ -421,13 +424,14 @@ def sparse_conditional_accumulator(
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
         mask = _sparse_mask(sparse, params, capacity)
-        zero = _common.int32(0)
+        # Each counter gets its own buffer, so the state can be donated as it comes.
         return SparseConditionalAccumulatorState(
-            global_step=zero,
-            count=zero,
-            num_dropped=zero,
-            num_nonfinite=zero,
-            num_overflowed=zero,
+            global_step=_common.int32(0),
+            count=_common.int32(0),
+            num_dropped=_common.int32(0),
+            num_nonfinite=_common.int32(0),
+            num_overflowed=_common.int32(0),
+            num_out_of_range=_common.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
                 lambda p, m: _empty_buffer(p, capacity) if m else _common.zeros_accumulator(p),
@@ -476,7 +480,18 @@ def sparse_conditional_accumulator(
         accumulator = jax.tree.unflatten(
             jax.tree.structure(state.accumulator, is_leaf=_is_buffer), accs
         )
-        arrived = jnp.stack([accepted, ~fresh, fresh & ~finite, overflow]).astype(jnp.int32)
+        # Ids outside [0, num_rows] cannot raise under jit: they are ignored and counted.
+        out_of_range = sum(
+            (
+                ((grads[i].indices < 0) | (grads[i].indices > accs[i].slot_of.shape[0])).sum()
+                for i in sparse_at
+            ),
+            start=jnp.int32(0),
+        )
+        flags = [accepted, ~fresh, fresh & ~finite, overflow]
+        arrived = jnp.stack(
+            [f.astype(jnp.int32) for f in flags] + [jnp.where(accepted, out_of_range, 0)]
+        )
         if axis_name is not None:
             arrived = lax.psum(arrived, axis_name)
         count = _common.saturating_add(state.count, arrived[0])
@@ -513,6 +528,7 @@ def sparse_conditional_accumulator(
             num_dropped=_common.saturating_add(state.num_dropped, arrived[1]),
             num_nonfinite=_common.saturating_add(state.num_nonfinite, arrived[2]),
             num_overflowed=_common.saturating_add(state.num_overflowed, arrived[3]),
+            num_out_of_range=_common.saturating_add(state.num_out_of_range, arrived[4]),
             emitted=emit,
             accumulator=accumulator,
             inner_state=inner_state,

@@ -1286,7 +1286,7 @@ def test_shared_name_clash_is_rejected_and_leaves_the_first_untouched(first, sec
 
 
 def test_out_of_range_sparse_ids_are_dropped_inside_jit():
-    """Ids outside [0, rows) cannot raise under jit: those rows are ignored, the rest kept."""
+    """Ids outside [0, rows) cannot raise under jit: those rows are ignored and counted."""
     tx = optax_accum.sparse_conditional_accumulator(
         optax_accum.sparse_sgd(1.0), 2, capacity=4, reduction="sum"
     )
@@ -1295,6 +1295,7 @@ def test_out_of_range_sparse_ids_are_dropped_inside_jit():
     bad = _slices([1, 10, -3, 2**30], [[1.0, 1.0], [9.0, 9.0], [7.0, 7.0], [5.0, 5.0]])
     _, state = step(bad, state)
     assert int(optax_accum.num_accumulated(state)) == 1
+    assert int(state.num_out_of_range) == 2  # -3 and 2**30; id 10 is the padding id
     updates, state = step(_slices([0], [[2.0, 0.0]]), state)
     dense = updates.to_dense()
     expected = np.zeros((10, 2), np.float32)

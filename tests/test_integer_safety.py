@@ -116,7 +116,9 @@ def _sparse_grad(ids):
     return IndexedSlices(ids, jnp.ones((ids.shape[0], 2)), (6, 2))
 
 
-@pytest.mark.parametrize("field", ["global_step", "num_dropped", "num_nonfinite", "num_overflowed"])
+@pytest.mark.parametrize(
+    "field", ["global_step", "num_dropped", "num_nonfinite", "num_overflowed", "num_out_of_range"]
+)
 def test_sparse_counters_saturate(field):
     tx = optax_accum.sparse_conditional_accumulator(
         optax_accum.sparse_sgd(1.0), 1, capacity=2, skip_nonfinite=True
@@ -132,6 +134,8 @@ def test_sparse_counters_saturate(field):
         tx = optax_accum.sparse_conditional_accumulator(optax_accum.sparse_sgd(1.0), 1, capacity=2)
         state = _at(tx.init(jnp.zeros((6, 2))), num_overflowed=MAX - 2)
         grads = _sparse_grad([0, 1, 2])  # three rows > capacity 2
+    elif field == "num_out_of_range":
+        grads = _sparse_grad([0, -1])  # one row is ignored (and counted) per update
     states = _drive(tx, state, grads, steps)
     assert _field(states, field) == _safe(MAX - 2, 4)
 
