@@ -19,6 +19,7 @@ import optax
 from jax import lax
 
 from optax_accum import _common
+from optax_accum import state as optax_accum_state
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -181,14 +182,13 @@ def drop_stale_gradients(
 
 
 def _find_state(state: Any) -> DropStaleGradientsState:
-    is_ours = lambda n: isinstance(n, DropStaleGradientsState)  # noqa: E731
-    found = [n for n in jax.tree.leaves(state, is_leaf=is_ours) if is_ours(n)]
-    if not found:
+    found = optax_accum_state._find(state, lambda n: isinstance(n, DropStaleGradientsState))
+    if found is None:
         raise ValueError(
             f"state holds no DropStaleGradientsState (from drop_stale_gradients); got "
             f"{type(state).__name__}"
         )
-    return found[0]
+    return found
 
 
 def staleness_percentage(state: Any) -> jax.Array:

@@ -10,6 +10,7 @@ user holds (the transform's own state, an `optax.chain` tuple, an
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,13 +35,16 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
     return []
 
 
-def _find(node: Any) -> Any | None:
-    """The outermost step state in `node` (breadth first), or None."""
+def _find(node: Any, match: Callable[[Any], bool] = _is_step_state) -> Any | None:
+    """The outermost node of `node` for which `match` holds (breadth first), or None.
+
+    By default, the outermost step state.
+    """
     frontier = [node]
     while frontier:
         nxt = []
         for n in frontier:
-            if _is_step_state(n):
+            if match(n):
                 return n
             nxt.extend(child for _, child in _children(n))
         frontier = nxt
