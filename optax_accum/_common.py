@@ -15,6 +15,8 @@ import numpy as np
 import optax
 from jax import lax
 
+from optax_accum import _compat
+
 _INT32_MAX = np.iinfo(np.int32).max
 REDUCTIONS = ("mean", "sum")
 
@@ -220,18 +222,6 @@ def int32(value: Any) -> jax.Array:
 # --------------------------------------------------------------------------- branching
 
 
-def _varying_axes(aval: Any) -> frozenset:
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()))
-
-
-def _make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
-    missing = axes - _varying_axes(jax.typeof(x))
-    if not missing:
-        return x
-    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
-
-
 def _tied_to(flag: jax.Array, tree: Any) -> Any:
     """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type.
 
@@ -242,8 +232,8 @@ def _tied_to(flag: jax.Array, tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     by_axes: dict[frozenset, list[int]] = {}
     for i, x in enumerate(leaves):
-        by_axes.setdefault(_varying_axes(jax.typeof(x)), []).append(i)
-    flag_axes = _varying_axes(jax.typeof(flag))
+        by_axes.setdefault(_compat.varying_axes(x), []).append(i)
+    flag_axes = _compat.varying_axes(flag)
     for axes, idx in by_axes.items():
         if not flag_axes <= axes:
             # A per-replica flag would make these leaves per-replica too, against the
@@ -276,8 +266,8 @@ def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
     this library).
     """
     out = jax.eval_shape(fn, carry)
-    axes = jax.tree.map(lambda c, o: _varying_axes(jax.typeof(c)) | _varying_axes(o), carry, out)
-    join = lambda tree: jax.tree.map(_make_varying, tree, axes)  # noqa: E731
+    axes = jax.tree.map(lambda c, o: _compat.varying_axes(c) | _compat.varying_axes(o), carry, out)
+    join = lambda tree: jax.tree.map(_compat.make_varying, tree, axes)  # noqa: E731
     # Arrays `fn` closes over ride in the loop as read-only operands.
     fn, consts = jax.closure_convert(fn, join(carry))
 

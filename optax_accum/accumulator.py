@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _common
+from optax_accum import _common, _compat
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -90,8 +90,7 @@ def _unmerged_zeros(like: Any, count: jax.Array) -> Any:
     leaves, treedef = jax.tree.flatten(like)
 
     def zeros(i: int, s: Any) -> jax.Array:
-        aval = s if isinstance(s, jax.ShapeDtypeStruct) else jax.typeof(s)
-        if _common._varying_axes(jax.typeof(high)) - _common._varying_axes(aval):
+        if _compat.varying_axes(high) - _compat.varying_axes(s):
             return jnp.zeros(s.shape, s.dtype)
         return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape)
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _common
+from optax_accum import _common, _compat
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -185,8 +185,8 @@ def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
     nothing is checked there.
     """
     for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
-        tracked = name in _common._varying_axes(jax.typeof(lax.axis_index(name)))
-        if tracked and name not in _common._varying_axes(jax.typeof(leaf)):
+        tracked = name in _compat.varying_axes(lax.axis_index(name))
+        if tracked and name not in _compat.varying_axes(leaf):
             raise ValueError(
                 f"{where} must differ per replica of axis {name!r}, but under jax.shard_map "
                 "it is replica-invariant, i.e. already reduced over the axis (jax.grad with "

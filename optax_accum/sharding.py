@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _common
+from optax_accum import _common, _compat
 from optax_accum.cross_shard import validate_group_assignment
 
 
@@ -117,15 +117,15 @@ def _varying_after_update(
 
     def body(p: Any) -> jax.Array:
         state_leaves = jax.tree.leaves(tx.init(p))  # as users init: from replicated params
-        p = jax.tree.map(lambda x: _common._make_varying(x, param_axes), p)
+        p = jax.tree.map(lambda x: _compat.make_varying(x, param_axes), p)
         state = treedef.unflatten(
-            [_common._make_varying(x, v) for x, v in zip(state_leaves, varying, strict=True)]
+            [_compat.make_varying(x, v) for x, v in zip(state_leaves, varying, strict=True)]
         )
         g = jax.tree.map(
-            lambda s: _common._make_varying(jnp.zeros(s.shape, s.dtype), grad_axes), grads_s
+            lambda s: _compat.make_varying(jnp.zeros(s.shape, s.dtype), grad_axes), grads_s
         )
         _, new_state = tx.update(g, state, p, **extra_args)
-        seen.extend(_common._varying_axes(jax.typeof(x)) for x in jax.tree.leaves(new_state))
+        seen.extend(_compat.varying_axes(x) for x in jax.tree.leaves(new_state))
         return jnp.zeros(())
 
     jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()), params_s)

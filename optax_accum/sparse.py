@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _common
+from optax_accum import _common, _compat
 from optax_accum.accumulator import NumRequired, _num_required_fn
 from optax_accum.indexed_slices import (
     IndexedSlices,
@@ -287,7 +287,7 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
     """
     names = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
     if names <= set(jax.sharding.get_abstract_mesh().manual_axes):  # shard_map or pmap
-        return lax.all_gather(_common._make_varying(x, names), axis_name, to="invarying")
+        return lax.all_gather(_compat.make_varying(x, names), axis_name, to="invarying")
     return lax.all_gather(x, axis_name)  # vmap
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import _compat
 
 WORKERS = 8
 DIM = 3
@@ -349,7 +350,7 @@ def test_shard_map_init_inside_scan_keeps_types_and_branch_invariant(commit):
         def body(carry, _):
             params, state = carry
             updates, state = tx.update(a * (params - b), state, params)
-            predicate_types.append(jax.typeof(state.emitted).manual_axis_type.varying)
+            predicate_types.append(_compat.varying_axes(state.emitted))
             return (optax.apply_updates(params, updates), state), None
 
         (params, state), _ = jax.lax.scan(body, (params, tx.init(params)), length=2 * PERIOD)

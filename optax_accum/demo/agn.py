@@ -22,6 +22,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import _compat
 from optax_accum.demo import Row, Sizes, _data
 
 WORKERS = 8
@@ -151,11 +152,7 @@ def _spmd(worker: Callable) -> Callable:
     mesh = jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
 
     def varying(x):
-        return (
-            x
-            if "w" in jax.typeof(x).manual_axis_type.varying
-            else jax.lax.pcast(x, "w", to="varying")
-        )
+        return x if "w" in _compat.varying_axes(x) else jax.lax.pcast(x, "w", to="varying")
 
     def per_device(params, *data):
         out = worker(jax.tree.map(varying, params), *(d[0] for d in data))
