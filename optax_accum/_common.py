@@ -1,4 +1,4 @@
-"""Small helpers shared by the transforms: argument checks, counters, branching.
+"""Small helpers shared by the transforms: argument checks, counters, tree selection.
 
 Everything here is private. Each helper does one thing and is named for it; a
 transform module should read as the behaviour it implements, with the plumbing here.
@@ -6,7 +6,6 @@ transform module should read as the behaviour it implements, with the plumbing h
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-
-from optax_accum import _compat
 
 _INT32_MAX = np.iinfo(np.int32).max
 REDUCTIONS = ("mean", "sum")
@@ -219,76 +216,7 @@ def int32(value: Any) -> jax.Array:
     return jnp.asarray(value, dtype=jnp.int32)
 
 
-# --------------------------------------------------------------------------- branching
-
-
-def _tied_to(flag: jax.Array, tree: Any) -> Any:
-    """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type.
-
-    One barrier per distinct set of varying mesh axes: under `jax.shard_map` a
-    barrier's outputs all take the union of its operands' varying axes, which would
-    turn replica-invariant leaves (e.g. an inner optimizer's state) varying.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    by_axes: dict[frozenset, list[int]] = {}
-    for i, x in enumerate(leaves):
-        by_axes.setdefault(_compat.varying_axes(x), []).append(i)
-    flag_axes = _compat.varying_axes(flag)
-    for axes, idx in by_axes.items():
-        if not flag_axes <= axes:
-            # A per-replica flag would make these leaves per-replica too, against the
-            # types `fn` was traced with; left untied, XLA may only hoist their work.
-            continue
-        _, tied = lax.optimization_barrier((flag, [leaves[i] for i in idx]))
-        for i, x in zip(idx, tied, strict=True):
-            leaves[i] = x
-    return treedef.unflatten(leaves)
-
-
-def apply_if(pred: jax.Array, fn: Callable, carry: Any) -> Any:
-    """`fn(carry)` when `pred` holds, else `carry` itself, updated in place.
-
-    The result of `cond(pred, fn, lambda c: c, carry)`, computed by a `lax.while_loop`
-    that runs zero times or once. XLA keeps a loop's carry in one set of buffers that
-    the body updates in place, so when `pred` is False the carry (with donated inputs,
-    the caller's own buffers) passes through untouched. `lax.cond` instead copies
-    operands that a branch passes through into its result buffers: with Adam state
-    that made a held accumulation step several times dearer than the accumulation
-    itself (benchmarks/NOTES.md). Floating-point arrays `fn` closes over enter the loop
-    as read-only operands, and an optimization barrier keeps XLA from hoisting work on
-    them out of the loop (where it would run on every call); `jax.closure_convert`
-    leaves integer and boolean ones closed over, so pass large ones in `carry`. `fn`
-    must return a tree with `carry`'s structure, shapes and dtypes. Under
-    `jax.shard_map`, each output leaf is marked varying over the mesh axes it varies
-    over in `carry` or in `fn(carry)` (a type-level cast: no data moves); `pred` must
-    be the same on every replica when `fn` holds a collective. Unlike `lax.cond`, this
-    is not reverse-mode differentiable (optimizer updates never are differentiated in
-    this library).
-    """
-    out = jax.eval_shape(fn, carry)
-    axes = jax.tree.map(lambda c, o: _compat.varying_axes(c) | _compat.varying_axes(o), carry, out)
-    join = lambda tree: jax.tree.map(_compat.make_varying, tree, axes)  # noqa: E731
-    # Arrays `fn` closes over ride in the loop as read-only operands.
-    fn, consts = jax.closure_convert(fn, join(carry))
-
-    def body(loop: tuple) -> tuple:
-        again, value, consts = loop
-        # The barrier ties every input of `fn` to the loop-carried flag: otherwise XLA
-        # would hoist work on loop-invariant inputs out of the loop and run it even
-        # when the loop runs zero times.
-        value_in, consts_in = _tied_to(again, (value, consts))
-        return jnp.logical_not(again), join(fn(value_in, *consts_in)), consts
-
-    init = (jnp.asarray(pred), join(carry), consts)
-    return lax.while_loop(lambda loop: loop[0], body, init)[1]
-
-
-def zero_updates(inner: Any, updates: Any, inner_state: Any, params: Any, **extra_args: Any) -> Any:
-    """Zeros shaped like the updates `inner.update` would return (traced, never run)."""
-    shapes, _ = jax.eval_shape(
-        lambda u, s, p: inner.update(u, s, p, **extra_args), updates, inner_state, params
-    )
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+# --------------------------------------------------------------------------- selection
 
 
 def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -330,7 +258,6 @@ __all__ = [
     "accumulator_dtype_for",
     "add_where",
     "all_finite",
-    "apply_if",
     "canonical_reduction",
     "check_tree_matches",
     "floating_dtype",
@@ -346,6 +273,5 @@ __all__ = [
     "require_positive_int",
     "saturating_add",
     "tree_select",
-    "zero_updates",
     "zeros_accumulator",
 ]

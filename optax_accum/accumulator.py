@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _common, _compat
+from optax_accum import _branch, _common
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -73,28 +73,6 @@ def _num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Arr
         return scheduled
     k = _common.require_positive_int("num_required", num_required)
     return lambda step: _common.int32(k)
-
-
-def _unmerged_zeros(like: Any, count: jax.Array) -> Any:
-    """Zeros shaped like `like`, each leaf written by its own broadcast.
-
-    XLA merges equal broadcasts of the constant 0 into one buffer, then copies that
-    buffer into every output leaf: a read and a write more per leaf. Leaf i broadcasts
-    `(max(count, 0) >> 31) & (i + 1)` instead, which is 0 for every int32 `count` but
-    a different run-time value to XLA for each leaf, so nothing is merged or copied.
-    (Were XLA to fold it, the leaves would be merged again: slower, still exact.) A
-    replicated counter, not the data, so sharded leaves need no collective. Plain zeros
-    for leaves that must not vary over mesh axes that `count` varies over.
-    """
-    high = jnp.maximum(count, 0) >> 31
-    leaves, treedef = jax.tree.flatten(like)
-
-    def zeros(i: int, s: Any) -> jax.Array:
-        if _compat.varying_axes(high) - _compat.varying_axes(s):
-            return jnp.zeros(s.shape, s.dtype)
-        return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape)
-
-    return jax.tree.unflatten(treedef, [zeros(i, s) for i, s in enumerate(leaves)])
 
 
 def conditional_accumulator(
@@ -215,33 +193,24 @@ def conditional_accumulator(
         num_nonfinite = _common.saturating_add(state.num_nonfinite, arrived[2])
         emit = count >= required(state.global_step)
 
-        def accumulate(a: jax.Array, g: jax.Array) -> jax.Array:
-            return _common.add_where(accepted, a, g)
+        accumulator = jax.tree.map(
+            lambda a, g: _common.add_where(accepted, a, g), state.accumulator, updates
+        )
 
-        # Three 0-or-1-trip loops (see _common.apply_if), so that each step does only
-        # its own work, in place on the donated state (benchmarks/NOTES.md):
-        # on release, the inner optimizer reads the sum as it fuses the last gradient
-        # in, then the accumulator is zeroed; otherwise the gradient is added.
+        # A held step is the addition above, in place, and passes the inner state and
+        # the sum on untouched; the release feeds the sum to `inner` and zeroes it
+        # (see _branch).
         def release(carry):
-            _, inner_state, accumulator = carry
-            total = jax.tree.map(accumulate, accumulator, updates)
-            if axis_name is not None:
-                total = lax.psum(total, axis_name)
+            inner_state, accumulator = carry
+            total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
             if mean:
                 total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
             aggregate = optax.tree.cast_like(total, updates)
             new_updates, inner_state = inner.update(aggregate, inner_state, params, **extra_args)
-            return new_updates, inner_state, accumulator  # read here, zeroed below
+            return new_updates, (inner_state, _branch.zeroed(accumulator, count))
 
-        # Shapes, dtypes and (under shard_map) varying axes of a release's updates.
-        released, _, _ = jax.eval_shape(release, ((), state.inner_state, state.accumulator))
-        held = _unmerged_zeros(released, count)
-        new_updates, inner_state, accumulator = _common.apply_if(
-            emit, release, (held, state.inner_state, state.accumulator)
-        )
-        accumulator = _common.apply_if(emit, lambda acc: _unmerged_zeros(acc, count), accumulator)
-        accumulator = _common.apply_if(
-            ~emit, lambda acc: jax.tree.map(accumulate, acc, updates), accumulator
+        new_updates, (inner_state, accumulator) = _branch.update_if(
+            emit, release, (state.inner_state, accumulator), salt=count, params=params
         )
         new_state = ConditionalAccumulatorState(
             global_step=_common.increment_if(emit, state.global_step),

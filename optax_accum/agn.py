@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _common
+from optax_accum import _branch, _common
 
 COMMITS = ("gradients", "delta")
 
@@ -270,7 +270,7 @@ def agn(
             zeros = optax.tree.zeros_like(accumulator)
             return zeros, centre, outer_state, num_nonfinite, round_nonfinite
 
-        accumulator, centre, outer_state, num_nonfinite, round_nonfinite = _common.apply_if(
+        accumulator, centre, outer_state, num_nonfinite, round_nonfinite = _branch.apply_if(
             sync,
             commit_round,
             (accumulator, state.centre, state.outer_state, state.num_nonfinite, round_nonfinite),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _common, _compat
+from optax_accum import _branch, _common, _compat
 from optax_accum.accumulator import NumRequired, _num_required_fn
 from optax_accum.indexed_slices import (
     IndexedSlices,
@@ -507,15 +507,12 @@ def sparse_conditional_accumulator(
             return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_buffer)
 
         # The release reads the accumulator and never returns it; a held step passes
-        # the inner state through in place (see apply_if).
-        def release(carry):
-            _, inner_state = carry
+        # the inner state on untouched (see _branch).
+        def release(inner_state):
             return inner.update(aggregate(accumulator), inner_state, params, **extra_args)
 
-        shapes = jax.eval_shape(aggregate, accumulator)
-        held = _common.zero_updates(inner, shapes, state.inner_state, params, **extra_args)
-        new_updates, inner_state = _common.apply_if(
-            emit, release, (_as_padding(held), state.inner_state)
+        new_updates, inner_state = _branch.update_if(
+            emit, release, state.inner_state, salt=count, params=params, held=_as_padding
         )
         accumulator = jax.tree.map(
             lambda a: _reset_if(emit, a) if _is_buffer(a) else jnp.where(emit, 0, a),

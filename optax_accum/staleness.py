@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _common
+from optax_accum import _branch, _common
 from optax_accum import state as optax_accum_state
 
 
@@ -163,13 +163,14 @@ def drop_stale_gradients(
             _common.require_bound_axis(axis_name)
             accept = lax.pmin(accept.astype(jnp.int32), axis_name) > 0
 
-        def apply(carry):
-            _, inner_state = carry
-            return inner.update(updates, inner_state, params, **extra_args)
-
-        # A dropped update passes the inner state through in place (see apply_if).
-        dropped = _common.zero_updates(inner, updates, state.inner_state, params, **extra_args)
-        new_updates, inner_state = _common.apply_if(accept, apply, (dropped, state.inner_state))
+        # A dropped update passes the inner state on untouched (see _branch).
+        new_updates, inner_state = _branch.update_if(
+            accept,
+            lambda inner_state: inner.update(updates, inner_state, params, **extra_args),
+            state.inner_state,
+            salt=state.global_step,
+            params=params,
+        )
         new_state = DropStaleGradientsState(
             global_step=_common.increment_if(accept, state.global_step),
             num_dropped=_common.increment_if(~accept, state.num_dropped),

@@ -1,0 +1,267 @@
+"""Held or released: how every transform branches, chosen per backend in one place.
+
+A transform's work splits into a cheap part that runs on every step (count, add the
+gradient) and a dear part that runs only on the steps that release (the inner
+optimizer, a collective). `update_if` and `apply_if` run the dear part under a
+predicate. On TPU and GPU that is a `lax.cond`. XLA:CPU copies the operands that a
+`lax.cond` branch passes through, so there the same branch is a `lax.while_loop`
+that runs zero times or once, whose carry stays in its (donated) buffers; the choice
+is made with `lax.platform_dependent`, so a program lowered for TPU or GPU holds no
+trace of the CPU form. docs/design.md has the measurements behind it.
+
+The branch body is traced once (`jax.make_jaxpr`) and both forms evaluate that
+jaxpr, so nesting optax_accum transforms traces the innermost optimizer once per
+level rather than once per form.
+
+`fused_apply` is the other half of `apply_gradients`: while it is active, an
+`update_if` called with the caller's very `params` also applies its updates to them
+inside the branch, so a step that releases nothing leaves the parameters untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from optax_accum import _compat
+from optax_accum.indexed_slices import apply_updates
+
+# --------------------------------------------------------------------------- tracing
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """`fn` traced once: callable on a carry, with the traced consts as operands."""
+
+    closed: ClosedJaxpr
+    out_tree: Any
+    out_shapes: Any
+
+    @classmethod
+    def of(cls, fn: Callable, carry: Any) -> _Traced:
+        closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(carry)
+        return cls(closed, jax.tree.structure(out_shapes), out_shapes)
+
+    @property
+    def consts(self) -> list:
+        return list(self.closed.consts)
+
+    def __call__(self, consts: list, carry: Any) -> Any:
+        run = jaxpr_as_fun(ClosedJaxpr(self.closed.jaxpr, consts))
+        return self.out_tree.unflatten(run(*jax.tree.leaves(carry)))
+
+
+def _varying_as(tree: Any, like: Any) -> Any:
+    """`tree` typed as varying over the mesh axes `like` varies over too (a type-level
+    cast under `jax.shard_map`; no data moves)."""
+    return jax.tree.map(lambda x, r: _compat.make_varying(x, _compat.varying_axes(r)), tree, like)
+
+
+def _as_carry(out: Any, carry: Any) -> Any:
+    """`out` in the carry's types: each leaf in its carry leaf's dtype and varying axes."""
+    out = jax.tree.map(lambda o, c: o if o.dtype == c.dtype else o.astype(c.dtype), out, carry)
+    return _varying_as(out, carry)
+
+
+# --------------------------------------------------------------------------- the two forms
+
+
+def _cond_form(pred: jax.Array, traced: _Traced, carry: Any, consts: list) -> Any:
+    """TPU and GPU: a `lax.cond`, which XLA runs without copying what it passes on."""
+    carry = _varying_as(carry, traced.out_shapes)
+    return lax.cond(pred, lambda c: _as_carry(traced(consts, c), c), lambda c: c, carry)
+
+
+def _tied_to(flag: jax.Array, tree: Any) -> Any:
+    """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type.
+
+    One barrier per distinct set of varying mesh axes: under `jax.shard_map` a
+    barrier's outputs all take the union of its operands' varying axes, which would
+    turn replica-invariant leaves (e.g. an inner optimizer's state) varying.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    by_axes: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_axes.setdefault(_compat.varying_axes(x), []).append(i)
+    flag_axes = _compat.varying_axes(flag)
+    for axes, idx in by_axes.items():
+        if not flag_axes <= axes:
+            # A per-replica flag would make these leaves per-replica too, against the
+            # types the body was traced with; left untied, XLA may only hoist their work.
+            continue
+        _, tied = lax.optimization_barrier((flag, [leaves[i] for i in idx]))
+        for i, x in zip(idx, tied, strict=True):
+            leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
+def _loop_form(pred: jax.Array, traced: _Traced, carry: Any, consts: list) -> Any:
+    """XLA:CPU: a `lax.while_loop` that runs zero times or once.
+
+    The carry stays in one set of buffers that the body updates in place, so a held
+    step passes it on untouched. The other arrays the body reads (the consts, integers
+    included) are tied to the loop flag by an optimization barrier, or XLA would hoist
+    work on these loop-invariant inputs out of the loop and run it on every step.
+    """
+    carry = _varying_as(carry, traced.out_shapes)
+
+    def body(loop: tuple) -> tuple:
+        again, value, consts = loop
+        out = traced(_tied_to(again, consts), value)
+        return jnp.logical_not(again), _as_carry(out, value), consts
+
+    return lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), carry, consts))[1]
+
+
+def _run_if(pred: jax.Array, traced: _Traced, carry: Any) -> Any:
+    """`traced(carry)` if `pred`, else `carry`, in the form the backend runs best."""
+    consts = traced.consts
+    return lax.platform_dependent(
+        pred,
+        carry,
+        consts,
+        cpu=lambda p, c, k: _loop_form(p, traced, c, k),
+        default=lambda p, c, k: _cond_form(p, traced, c, k),
+    )
+
+
+# --------------------------------------------------------------------------- zeros
+
+
+def unmerged_zeros(like: Any, salt: jax.Array) -> Any:
+    """Zeros shaped like `like`, each leaf written by its own broadcast.
+
+    XLA merges equal broadcasts of the constant 0 into one buffer and then copies it
+    into every output leaf. Leaf i broadcasts `(max(salt, 0) >> 31) & (i + 1)`
+    instead: 0 for every int32 `salt`, but a different run-time value to XLA for each
+    leaf, so nothing is merged or copied. `salt` is a replicated scalar, so sharded
+    leaves need no collective; leaves that must not vary over mesh axes that `salt`
+    varies over get plain zeros.
+    """
+    high = jnp.maximum(salt.astype(jnp.int32), 0) >> 31
+    leaves, treedef = jax.tree.flatten(like)
+
+    def zeros(i: int, s: Any) -> jax.Array:
+        if _compat.varying_axes(high) - _compat.varying_axes(s):
+            return jnp.zeros(s.shape, s.dtype)
+        return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape)
+
+    return treedef.unflatten([zeros(i, s) for i, s in enumerate(leaves)])
+
+
+def zeroed(tree: Any, salt: jax.Array) -> Any:
+    """`tree` overwritten with zeros, in place: `where(salt >= 0, 0, x)` for every
+    int32 `salt >= 0`, which XLA cannot fold, so each leaf is rewritten in its own
+    buffer instead of a fresh broadcast being copied over it."""
+    keep = salt < 0
+    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros((), x.dtype)), tree)
+
+
+# --------------------------------------------------------------------------- public helpers
+
+
+def apply_if(pred: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
+    """`fn(carry)` when `pred` holds, else `carry`, updated in place on the CPU.
+
+    `fn` must return a tree with `carry`'s structure and shapes; each leaf is cast
+    back to its `carry` dtype. `pred` must be the same on every replica when `fn`
+    holds a collective. Not reverse-mode differentiable on the CPU (optimizer updates
+    are never differentiated in this library).
+    """
+    return _run_if(pred, _Traced.of(fn, carry), carry)
+
+
+def update_if(
+    pred: jax.Array,
+    fn: Callable[[Any], tuple[Any, Any]],
+    state: Any,
+    *,
+    salt: jax.Array,
+    params: Any = None,
+    held: Callable[[Any], Any] | None = None,
+) -> tuple[Any, Any]:
+    """`fn(state)` (a pair `(updates, new_state)`) when `pred` holds, else
+    `(zeros, state)`, with the zeros shaped like the updates `fn` would return.
+
+    `new_state` is cast back to `state`'s dtypes, so an inner optimizer whose state
+    changes dtype with mixed-precision gradients keeps a fixed state. `salt` is a
+    replicated int32 scalar (a counter) for `unmerged_zeros`. `held` maps the zero
+    updates to what a held step returns (e.g. padding row ids). When `params` is the
+    very object an active `fused_apply` was given, the branch also applies the
+    updates to it (see `fused_apply`).
+    """
+    sink = _SINK.get()
+    fuse = sink is not None and params is not None and params is sink.params
+    if fuse:
+        operand = (state, params)
+        traced = _Traced.of(lambda c: _with_params(fn, c), operand)
+    else:
+        operand = state
+        traced = _Traced.of(fn, operand)
+    zeros = unmerged_zeros(traced.out_shapes[0], salt)
+    carry = (held(zeros) if held is not None else zeros, operand)
+    # The carry's first slot only holds the held step's updates: the body ignores it.
+    body = _Traced.of(lambda c: traced(traced.consts, c[1]), carry)
+    updates, operand = _run_if(pred, body, carry)
+    if not fuse:
+        return updates, operand
+    state, new_params = operand
+    sink.record(updates, new_params)
+    return updates, state
+
+
+def _with_params(fn: Callable, carry: tuple) -> tuple:
+    state, params = carry
+    updates, state = fn(state)
+    return updates, (state, apply_updates(params, updates))
+
+
+# --------------------------------------------------------------------------- fused apply
+
+
+@dataclasses.dataclass
+class _Sink:
+    """What `update_if` applied to `params` inside its branch, by the updates it made."""
+
+    params: Any
+    applied: list[tuple[list, Any]] = dataclasses.field(default_factory=list)
+
+    def record(self, updates: Any, new_params: Any) -> None:
+        self.applied.append((jax.tree.leaves(updates), new_params))
+
+    def params_for(self, updates: Any) -> Any | None:
+        """The params a branch made from exactly these `updates` (by identity), if any."""
+        leaves = jax.tree.leaves(updates)
+        for recorded, new_params in self.applied:
+            if len(recorded) == len(leaves) and all(
+                a is b for a, b in zip(recorded, leaves, strict=True)
+            ):
+                return new_params
+        return None
+
+
+_SINK: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("_SINK", default=None)
+
+
+@contextlib.contextmanager
+def fused_apply(params: Any) -> Iterator[_Sink]:
+    """While active, `update_if(..., params=params)` also applies its updates in its
+    branch; the sink then gives the new params for the updates a transform returned,
+    or None when something after the branch changed them (the caller applies them)."""
+    sink = _Sink(params)
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+
+
+__all__ = ["apply_if", "fused_apply", "unmerged_zeros", "update_if", "zeroed"]
