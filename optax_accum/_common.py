@@ -34,7 +34,24 @@ def require_positive_int(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value > _INT32_MAX:
+        raise ValueError(f"{name} must be at most 2**31 - 1 (an int32 counter), got {value!r}")
     return int(value)
+
+
+def require_floating_params(params: Any) -> None:
+    """Raises a TypeError at `init` naming the first params leaf that is not floating.
+
+    Float gradients on integer params would otherwise give updates that
+    `optax.apply_updates` silently rounds away.
+    """
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(p)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} must be floating (optimizers update "
+                f"floating-point parameters), got dtype {dtype}"
+            )
 
 
 def require_axis_name(name: str, value: Any) -> Any:
@@ -266,6 +283,7 @@ __all__ = [
     "local_step_or",
     "reduce_dense",
     "require_axis_name",
+    "require_floating_params",
     "require_bool",
     "require_bound_axis",
     "require_state",

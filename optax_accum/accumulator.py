@@ -159,6 +159,7 @@ def conditional_accumulator(
     skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
+        _common.require_floating_params(params)
         # Each counter gets its own buffer, so the state can be donated as it comes.
         return ConditionalAccumulatorState(
             global_step=_common.int32(0),

@@ -188,6 +188,7 @@ def agn(
         return _common.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
 
     def init_fn(params: optax.Params) -> AGNState:
+        _common.require_floating_params(params)
         # zeros_like, not zeros: under shard_map the sum varies over the mesh axes the
         # params vary over, so the state's types are the same before and after update.
         accumulator = (

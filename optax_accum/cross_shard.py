@@ -314,7 +314,7 @@ def cross_shard(
         return total / jnp.asarray(divisor, dtype) if mean else total
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        del params
+        _common.require_floating_params(params)
         return optax.EmptyState()
 
     def update_fn(

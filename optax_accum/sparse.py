@@ -423,6 +423,7 @@ def sparse_conditional_accumulator(
         jax.tree.map(lambda m: _common.require_bool("sparse", m), sparse)
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
+        _common.require_floating_params(params)
         mask = _sparse_mask(sparse, params, capacity)
         # Each counter gets its own buffer, so the state can be donated as it comes.
         return SparseConditionalAccumulatorState(

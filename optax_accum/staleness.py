@@ -53,7 +53,12 @@ def _check_staleness(staleness: Any) -> Any:
             f"staleness must be an int (or an int/float scalar array), got {staleness!r}"
         )
     if isinstance(staleness, int | np.integer):
-        return int(np.clip(staleness, np.iinfo(np.int32).min, np.iinfo(np.int32).max))
+        info = np.iinfo(np.int32)
+        if not info.min <= staleness <= info.max:
+            raise ValueError(
+                f"staleness must fit in int32 ([-2**31, 2**31 - 1]), got {staleness!r}"
+            )
+        return int(staleness)
     if not hasattr(staleness, "dtype") or jnp.ndim(staleness) != 0:
         raise TypeError(f"staleness must be a scalar, got {staleness!r}")
     return staleness
@@ -74,7 +79,10 @@ def _within(lag: jax.Array, staleness: Any) -> jax.Array:
         return lag.astype(staleness.dtype) <= staleness
     if not jnp.issubdtype(staleness.dtype, jnp.integer):
         raise TypeError(f"staleness must be an int or float scalar, got dtype {staleness.dtype}")
-    return lag <= staleness.astype(jnp.int32)
+    # Saturate, never wrap: a staleness beyond the int32 range accepts (or drops) all.
+    info = jnp.iinfo(staleness.dtype)
+    low, high = max(info.min, np.iinfo(np.int32).min), min(info.max, np.iinfo(np.int32).max)
+    return lag <= jnp.clip(staleness, low, high).astype(jnp.int32)
 
 
 def drop_stale_gradients(
@@ -140,10 +148,11 @@ def drop_stale_gradients(
     axis_name = _common.require_axis_name("axis_name", axis_name)
 
     def init_fn(params: optax.Params) -> DropStaleGradientsState:
-        zero = _common.int32(0)
+        _common.require_floating_params(params)
+        # Each counter gets its own buffer, so the state can be donated as it comes.
         return DropStaleGradientsState(
-            global_step=zero,
-            num_dropped=zero,
+            global_step=_common.int32(0),
+            num_dropped=_common.int32(0),
             emitted=jnp.asarray(False),
             inner_state=inner.init(params),
         )

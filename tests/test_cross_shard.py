@@ -311,7 +311,7 @@ def test_unbound_axis_and_integer_gradients_raise_at_trace_time():
     tx = cross_shard("i")
     with pytest.raises(ValueError, match="axis_name='i' is not bound"):
         jax.jit(lambda g: tx.update(g, tx.init(g)))(jnp.ones(2))
-    fn = jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="i"))
+    fn = jax.jit(jax.vmap(lambda g: tx.update(g, optax.EmptyState()), axis_name="i"))
     with pytest.raises(TypeError, match=r"updates\['n'\] must be floating"):
         fn({"n": jnp.ones((2, 3), jnp.int32)})
 

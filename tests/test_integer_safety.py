@@ -249,3 +249,66 @@ def test_agn_round_nonfinite_summed_over_replicas_saturates():
     np.testing.assert_array_equal(np.asarray(optax_accum.global_step(state)), [1, 1])
     np.testing.assert_array_equal(np.asarray(state.num_nonfinite), [MAX, MAX])
     np.testing.assert_array_equal(np.asarray(state.round_nonfinite), [[0], [0]])
+
+
+# --------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: optax_accum.conditional_accumulator(SGD, n),
+        lambda n: optax_accum.sparse_conditional_accumulator(SGD, n, capacity=4),
+        lambda n: optax_accum.sparse_conditional_accumulator(SGD, 2, capacity=n),
+        lambda n: optax_accum.agn(SGD, n),
+        lambda n: optax_accum.drop_stale_gradients(SGD, n),
+    ],
+    ids=["num_required", "sparse-num_required", "capacity", "communication_period", "staleness"],
+)
+@pytest.mark.parametrize("value", [2**31, 2**40, np.int64(2**31)], ids=["2**31", "2**40", "int64"])
+def test_python_ints_beyond_int32_are_refused_at_construction(make, value):
+    with pytest.raises(ValueError, match=r"2\*\*31"):
+        make(value)
+
+
+def test_staleness_at_the_int32_limits_is_accepted():
+    for staleness in (MAX, MIN):
+        optax_accum.drop_stale_gradients(SGD, staleness)
+
+
+@pytest.mark.parametrize(
+    "staleness, local_step, accepted",
+    [
+        (np.uint32(2**32 - 1), 0, True),  # would wrap to -1 and drop everything
+        (np.uint32(2**31), 0, True),  # would wrap to int32 min
+        (np.int64(2**40), -5, True),
+    ],
+    ids=["uint32-max", "uint32-2**31", "int64"],
+)
+def test_staleness_array_beyond_int32_saturates(staleness, local_step, accepted):
+    with jax.enable_x64(True):
+        tx = optax_accum.drop_stale_gradients(SGD, jnp.asarray(staleness))
+        state = _at(tx.init(jnp.zeros(2)), global_step=100)
+        _, state = jax.jit(lambda s: tx.update(jnp.ones(2), s, local_step=local_step))(state)
+    assert bool(state.emitted) is accepted
+
+
+# --------------------------------------------------------------------------- integer params
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax_accum.conditional_accumulator(SGD, 2),
+        lambda: optax_accum.sparse_conditional_accumulator(SGD, 2, capacity=4),
+        lambda: optax_accum.agn(SGD, 2),
+        lambda: optax_accum.drop_stale_gradients(SGD, 1),
+        lambda: optax_accum.cross_shard_optimizer(SGD, "i"),
+    ],
+    ids=["accumulator", "sparse", "agn", "drop_stale", "cross_shard_optimizer"],
+)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_integer_params_are_refused_at_init(make, dtype):
+    params = {"w": jnp.zeros(3), "steps": jnp.zeros(2, dtype)}
+    with pytest.raises(TypeError, match=r"params\['steps'\] must be floating"):
+        make().init(params)
