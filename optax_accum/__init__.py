@@ -9,7 +9,7 @@ from optax_accum.accumulator import ConditionalAccumulatorState, conditional_acc
 from optax_accum.agn import AGNState, agn
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.embedding import embedding_value_and_grad
-from optax_accum.flax_train_state import TrainState
+from optax_accum.flax_train_state import NNXOptimizer, TrainState
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
 from optax_accum.sharding import replica_group_mesh, state_partition_specs
@@ -24,6 +24,7 @@ from optax_accum.staleness import (
     staleness_percentage,
 )
 from optax_accum.state import global_step, has_updated, num_accumulated, set_global_step
+from optax_accum.train_step import apply_gradients
 
 __version__ = "0.1.0"
 
@@ -33,10 +34,12 @@ __all__ = [
     "ConditionalAccumulatorState",
     "DropStaleGradientsState",
     "IndexedSlices",
+    "NNXOptimizer",
     "SparseConditionalAccumulator",
     "SparseConditionalAccumulatorState",
     "TrainState",
     "agn",
+    "apply_gradients",
     "apply_updates",
     "conditional_accumulator",
     "cross_shard",

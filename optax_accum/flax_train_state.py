@@ -1,19 +1,21 @@
-"""A Flax linen `TrainState` whose `apply_gradients` forwards extra args to the optimizer.
+"""Flax: a linen `TrainState` and an NNX `Optimizer` that step with `apply_gradients`.
 
 `flax.training.train_state.TrainState.apply_gradients` calls `tx.update(grads,
 opt_state, params)` and nothing more, so the step tag `local_step` (or any other extra
 argument of an `optax.GradientTransformationExtraArgs`) cannot reach an optax_accum
-transform. `TrainState` is a drop-in subclass that forwards them. Flax NNX needs no
-such help: `nnx.Optimizer.update(model, grads, **kwargs)` already forwards them.
+transform, and it applies zero updates to every parameter on every held step.
+`TrainState` is a drop-in subclass that forwards extra arguments and steps with
+`optax_accum.apply_gradients`. `NNXOptimizer` does the same for `flax.nnx.Optimizer`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from flax import nnx
 from flax.training import train_state
 
-from optax_accum.indexed_slices import apply_updates
+from optax_accum.train_step import _apply_gradients
 
 
 class TrainState(train_state.TrainState):
@@ -22,10 +24,11 @@ class TrainState(train_state.TrainState):
     Use it exactly like Flax's `TrainState`; the difference is in `apply_gradients`:
     a keyword argument that names one of the state's fields replaces that field (as in
     Flax), and every other keyword argument, such as `local_step`, is passed to
-    `tx.update`. Updates are applied with `optax_accum.apply_updates`, so row-sparse
+    `tx.update`. The step is `optax_accum.apply_gradients`: a held micro-step leaves
+    the parameters and the inner optimizer's state untouched, and row-sparse
     `IndexedSlices` updates (from `sparse_conditional_accumulator`) work too. Flax's
     own class passes no extra arguments, so an optax_accum transform inside it would
-    treat every gradient as up to date.
+    treat every gradient as up to date. Jit the train step with the state donated.
 
     `step` counts `apply_gradients` calls (offered gradients). The number of updates
     the optimizer actually released is `optax_accum.global_step(state.opt_state)`,
@@ -81,10 +84,9 @@ class TrainState(train_state.TrainState):
         extra_args = {k: v for k, v in kwargs.items() if k not in fields}
         split = isinstance(grads, dict) and train_state.OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if split else self.params
-        updates, opt_state = self.tx.update(
-            grads["params"] if split else grads, self.opt_state, params, **extra_args
+        new_params, opt_state, _ = _apply_gradients(
+            self.tx, grads["params"] if split else grads, self.opt_state, params, **extra_args
         )
-        new_params = apply_updates(params, updates)
         if split:
             new_params = {
                 "params": new_params,
@@ -93,4 +95,48 @@ class TrainState(train_state.TrainState):
         return self.replace(step=self.step + 1, params=new_params, opt_state=opt_state, **replace)
 
 
-__all__ = ["TrainState"]
+class NNXOptimizer(nnx.Optimizer):
+    """`flax.nnx.Optimizer` whose `update` steps with `optax_accum.apply_gradients`.
+
+    Use it exactly like `nnx.Optimizer` (`NNXOptimizer(model, tx, wrt=nnx.Param)`,
+    then `optimizer.update(model, grads, local_step=...)` inside `nnx.jit`). Extra
+    keyword arguments reach `tx.update`, as in Flax; the difference is the step: a
+    held micro-step of an optax_accum transform leaves the model's parameters and the
+    inner optimizer's state untouched, where `nnx.Optimizer` adds zero updates to
+    every parameter. `step` counts `update` calls; the number of released updates is
+    `optax_accum.global_step(optimizer.opt_state)`. There is no TF original.
+    NNX variables hold arrays, so row-sparse `IndexedSlices` gradients need the
+    functional loop (`nnx.split`, then `optax_accum.apply_gradients`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(0.1), num_required=2)
+      >>> optimizer = optax_accum.NNXOptimizer(model, tx, wrt=nnx.Param)
+      >>> loss = lambda m: (m(jnp.ones((1, 2))) ** 2).mean()
+      >>> for local_step in (0, -1, 0):  # the middle gradient is stale: dropped
+      ...     _ = optimizer.update(model, nnx.grad(loss)(model), local_step=local_step)
+      >>> int(optimizer.step[...]), int(optax_accum.global_step(optimizer.opt_state))
+      (3, 1)
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        """Applies `grads` to `model` with `tx` (extra keywords go to `tx.update`).
+
+        Returns:
+          The updates `tx` returned (zeros on a held step).
+        """
+        graph = {"graph": self.graph} if hasattr(self, "graph") else {}
+        params = nnx.as_pure(nnx.state(model, self.wrt, **graph))
+        grads = nnx.as_pure(nnx.state(grads, self.wrt, **graph))
+        new_params, opt_state, updates = _apply_gradients(
+            self.tx, grads, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
+        )
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(opt_state, **graph))
+        self.step[...] += 1
+        return updates
+
+
+__all__ = ["NNXOptimizer", "TrainState"]

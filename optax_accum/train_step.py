@@ -1,0 +1,87 @@
+"""The train step: `tx.update` and `apply_updates` in one call, fused.
+
+`apply_gradients(tx, grads, opt_state, params)` gives what the canonical optax step
+gives (`updates, opt_state = tx.update(grads, opt_state, params); params =
+apply_updates(params, updates)`), but an optax_accum transform applies its updates
+inside the branch that releases them, so a micro-step that releases nothing reads and
+writes neither the parameters nor the inner optimizer's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from optax_accum import _branch
+from optax_accum.indexed_slices import apply_updates
+
+
+def _apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState, optax.Updates]:
+    """`apply_gradients`, also returning the updates (for `nnx.Optimizer.update`)."""
+    tx = optax.with_extra_args_support(tx)
+    with _branch.fused_apply(params) as sink:
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    new_params = sink.params_for(updates)
+    if new_params is None:  # not an optax_accum release, or changed after it
+        new_params = apply_updates(params, updates)
+    return new_params, opt_state, updates
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+    """One train step: `tx.update`, then the updates applied to `params`.
+
+    The result is that of `updates, opt_state = tx.update(grads, opt_state, params,
+    **extra_args)` followed by `optax_accum.apply_updates(params, updates)`, for any
+    optax transformation (also `optax.chain` and `optax.inject_hyperparams` around
+    optax_accum transforms, and row-sparse `IndexedSlices` updates). When the updates
+    come straight from an optax_accum transform (`conditional_accumulator`,
+    `sparse_conditional_accumulator`, `drop_stale_gradients`, last in a chain if
+    chained), they are applied inside the branch that releases them: a step that
+    releases nothing then costs about one pass that adds the gradient to the
+    accumulator, and the parameters and the inner optimizer's state are not touched.
+    There is no TF counterpart: in TF1 a session ran `apply_gradients` ops directly.
+
+    Jit it with `params` and `opt_state` donated, and return them in that order:
+
+        step = jax.jit(functools.partial(optax_accum.apply_gradients, tx),
+                       donate_argnums=(1, 2))  # (grads, opt_state, params)
+
+    Args:
+      tx: the optimizer, typically an optax_accum transform.
+      grads: the gradients, with the structure of `params`.
+      opt_state: the state of `tx`.
+      params: the parameters.
+      **extra_args: passed to `tx.update`, e.g. `local_step`.
+
+    Returns:
+      The pair `(params, opt_state)` after the step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+      >>> params = jnp.zeros(2)
+      >>> opt_state = tx.init(params)
+      >>> step = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p))
+      >>> params, opt_state = step(jnp.array([1.0, 2.0]), opt_state, params)  # held
+      >>> params, opt_state = step(jnp.array([3.0, 4.0]), opt_state, params)
+      >>> params  # minus the mean of the two gradients
+      Array([-2., -3.], dtype=float32)
+    """
+    new_params, opt_state, _ = _apply_gradients(tx, grads, opt_state, params, **extra_args)
+    return new_params, opt_state
+
+
+__all__ = ["apply_gradients"]

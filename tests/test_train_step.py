@@ -1,0 +1,190 @@
+"""`apply_gradients` gives the canonical optax step's results, for every transform.
+
+Over whole cycles (held, dropped and released steps alike), under `jax.jit` and, for
+the shared cases, under `jax.vmap` with an axis name, `apply_gradients(tx, grads,
+opt_state, params)` matches `updates, opt_state = tx.update(...); params =
+apply_updates(params, updates)`: the transform alone, last in an `optax.chain`,
+inside `optax.inject_hyperparams`, and followed by another transform (where it cannot
+fuse and must fall back). A held step leaves the parameters bit for bit as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _cases import CASE_IDS, CASES, REPLICAS, Case, _first, _stack, _step_inputs
+
+import optax_accum
+from optax_accum import _branch
+
+STEPS = 7
+
+WRAPPERS = {
+    "alone": lambda tx: tx,
+    "last_in_chain": lambda tx: optax.chain(_scale_values(2.0), tx),
+    "inject_hyperparams": lambda tx: optax.inject_hyperparams(
+        lambda factor: optax.chain(_scale_values(factor), tx)
+    )(factor=2.0),
+    "followed_by_scale": lambda tx: optax.chain(tx, _scale_values(0.5)),
+}
+
+
+def _scale_values(factor: float) -> optax.GradientTransformation:
+    """`optax.scale` that scales only the values of `IndexedSlices` updates (optax's
+    element-wise transforms must never see raw `IndexedSlices`)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+
+        def scale(u):
+            if isinstance(u, optax_accum.IndexedSlices):
+                return optax_accum.IndexedSlices(u.indices, u.values * factor, u.dense_shape)
+            return u * factor
+
+        is_slices = lambda x: isinstance(x, optax_accum.IndexedSlices)  # noqa: E731
+        return jax.tree.map(scale, updates, is_leaf=is_slices), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _canonical(tx, case: Case):
+    def step(params, state, grads, extra):
+        updates, state = tx.update(grads, state, params, **extra)
+        return optax_accum.apply_updates(params, updates), state
+
+    return step
+
+
+def _fused(tx):
+    def step(params, state, grads, extra):
+        return optax_accum.apply_gradients(tx, grads, state, params, **extra)
+
+    return step
+
+
+def _run(case: Case, tx, make_step, steps: int = STEPS):
+    """[(params, state)] after each of `steps` jitted steps (replica 0 under an axis)."""
+    params = case.params()
+    step = make_step(tx)
+    if case.needs_axis:
+        params = _stack([params] * REPLICAS)
+        state = jax.vmap(tx.init)(params)
+        fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name="replicas"))
+    else:
+        state = tx.init(params)
+        fn = jax.jit(step)
+    out = []
+    for i in range(steps):
+        params, state = fn(params, state, _step_inputs(case, i, frozenset()), case.extra_args(i))
+        out.append(_first((params, state)) if case.needs_axis else (params, state))
+    return out
+
+
+def _assert_close(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6, atol=1e-7
+        )
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_apply_gradients_matches_the_canonical_step(case, wrapper):
+    tx = WRAPPERS[wrapper](case.make("replicas" if case.needs_axis else None))
+    canonical = _run(case, tx, functools.partial(_canonical, case=case))
+    fused = _run(case, tx, _fused)
+    for i, (want, got) in enumerate(zip(canonical, fused, strict=True)):
+        try:
+            _assert_close(got, want)
+        except AssertionError as e:
+            raise AssertionError(f"step {i}: {e}") from None
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.hold_step(0) or c.drop_step(2)], ids=lambda c: c.name
+)
+def test_a_held_step_leaves_params_bit_for_bit(case):
+    tx = case.make("replicas" if case.needs_axis else None)
+    history = _run(case, tx, _fused)
+    params = [case.params()] + [p for p, _ in history]
+    for i in range(STEPS):
+        if case.hold_step(i) or case.drop_step(i):
+            for before, after in zip(
+                jax.tree.leaves(params[i]), jax.tree.leaves(params[i + 1]), strict=True
+            ):
+                np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+
+
+def test_apply_gradients_of_a_plain_optax_optimizer_is_the_optax_step():
+    tx = optax.adam(0.1)
+    params = {"w": jnp.arange(3.0)}
+    grads = {"w": jnp.array([0.5, -1.0, 2.0])}
+    state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):
+        want_updates, want_state = tx.update(grads, state, params)
+        got_params, got_state = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p))(
+            grads, state, params
+        )
+    _assert_close((got_params, got_state), (optax.apply_updates(params, want_updates), want_state))
+
+
+def test_extra_args_reach_the_transform():
+    tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=1)
+    params = jnp.zeros(2)
+    state = optax_accum.set_global_step(tx.init(params), 3)
+    params, state = optax_accum.apply_gradients(tx, jnp.ones(2), state, params, local_step=2)
+    assert int(state.num_dropped) == 1 and not bool(optax_accum.has_updated(state))
+    params, state = optax_accum.apply_gradients(tx, jnp.ones(2), state, params, local_step=3)
+    np.testing.assert_array_equal(np.asarray(params), [-1.0, -1.0])
+
+
+def test_the_fused_step_reads_and_writes_no_params_when_it_holds():
+    """In the compiled CPU program, the params reach no computation outside the
+    releasing branch: a held step neither reads nor writes them."""
+    tx = optax_accum.conditional_accumulator(optax.sgd(0.1, momentum=0.9), num_required=4)
+    params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
+    state = tx.init(params)
+
+    def train_step(params, state, grads):
+        return optax_accum.apply_gradients(tx, grads, state, params)
+
+    hlo = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, params).as_text()
+    entry = hlo[hlo.index("func.func public @main") :]
+    entry = entry[: entry.index("\n  }\n")]
+    # %arg0 and %arg1 are params["b"] and params["w"]: used only as loop operands.
+    for arg in ("%arg0", "%arg1"):
+        uses = [line for line in entry.splitlines()[1:] if re.search(rf"{arg}\b", line)]
+        assert uses and all("stablehlo.while" in u or "stablehlo.case" in u for u in uses), uses
+
+
+FUSABLE = [c for c in CASES if c.name.startswith(("conditional", "sparse", "drop_stale"))]
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("case", FUSABLE, ids=lambda c: c.name)
+def test_the_release_branch_applies_the_updates_unless_something_follows(case, wrapper):
+    """The fused path is taken for a transform alone, last in a chain and inside
+    inject_hyperparams; a transform after it makes apply_gradients fall back."""
+    tx = WRAPPERS[wrapper](case.make("replicas" if case.needs_axis else None))
+    found = []
+
+    def probe(params, grads):
+        with _branch.fused_apply(params) as sink:
+            updates, _ = tx.update(grads, tx.init(params), params, **case.extra_args(0))
+        found.append(sink.params_for(updates) is not None)
+        return updates
+
+    if case.needs_axis:
+        params = _stack([case.params()] * REPLICAS)
+        jax.eval_shape(jax.vmap(probe, axis_name="replicas"), params, _step_inputs(case, 0, ()))
+    else:
+        jax.eval_shape(probe, case.params(), _step_inputs(case, 0, ()))
+    assert found == [wrapper != "followed_by_scale"]
