@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
@@ -72,12 +73,27 @@ def _as_carry(out: Any, carry: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- the two forms
+#
+# Both run `traced`, a function `operand -> (updates, operand)`, when `pred` holds;
+# otherwise they return `(held(salted), operand)`, where `held` builds the updates of
+# a held step (zeros, usually) and `salted` says whether to build them from a run-time
+# value that XLA cannot fold (see `unmerged_zeros`).
 
 
-def _cond_form(pred: jax.Array, traced: _Traced, carry: Any, consts: list) -> Any:
-    """TPU and GPU: a `lax.cond`, which XLA runs without copying what it passes on."""
-    carry = _varying_as(carry, traced.out_shapes)
-    return lax.cond(pred, lambda c: _as_carry(traced(consts, c), c), lambda c: c, carry)
+def _cond_form(
+    pred: jax.Array, traced: _Traced, operand: Any, consts: list, held: Callable
+) -> tuple:
+    """TPU and GPU: a `lax.cond`."""
+    operand = _varying_as(operand, traced.out_shapes[1])
+
+    def release(op: Any) -> tuple:
+        updates, new = traced(consts, op)
+        return updates, _as_carry(new, op)
+
+    def hold(op: Any) -> tuple:
+        return _varying_as(held(False), traced.out_shapes[0]), op
+
+    return lax.cond(pred, release, hold, operand)
 
 
 def _tied_to(flag: jax.Array, tree: Any) -> Any:
@@ -103,33 +119,36 @@ def _tied_to(flag: jax.Array, tree: Any) -> Any:
     return treedef.unflatten(leaves)
 
 
-def _loop_form(pred: jax.Array, traced: _Traced, carry: Any, consts: list) -> Any:
+def _loop_form(
+    pred: jax.Array, traced: _Traced, operand: Any, consts: list, held: Callable
+) -> tuple:
     """XLA:CPU: a `lax.while_loop` that runs zero times or once.
 
-    The carry stays in one set of buffers that the body updates in place, so a held
-    step passes it on untouched. The other arrays the body reads (the consts, integers
-    included) are tied to the loop flag by an optimization barrier, or XLA would hoist
-    work on these loop-invariant inputs out of the loop and run it on every step.
+    The carry (the held step's updates and the operand) stays in one set of buffers
+    that the body updates in place, so a held step passes it on untouched. The other
+    arrays the body reads (the consts, integers included) are tied to the loop flag by
+    an optimization barrier, or XLA would hoist work on these loop-invariant inputs
+    out of the loop and run it on every step.
     """
-    carry = _varying_as(carry, traced.out_shapes)
+    carry = _varying_as((held(True), operand), traced.out_shapes)
 
     def body(loop: tuple) -> tuple:
         again, value, consts = loop
-        out = traced(_tied_to(again, consts), value)
+        out = traced(_tied_to(again, consts), value[1])
         return jnp.logical_not(again), _as_carry(out, value), consts
 
     return lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), carry, consts))[1]
 
 
-def _run_if(pred: jax.Array, traced: _Traced, carry: Any) -> Any:
-    """`traced(carry)` if `pred`, else `carry`, in the form the backend runs best."""
-    consts = traced.consts
+def _run_if(pred: jax.Array, traced: _Traced, operand: Any, held: Callable) -> tuple:
+    """`traced(operand)` if `pred`, else `(held(...), operand)`, in the form the
+    backend runs best (chosen when the program is lowered for it)."""
     return lax.platform_dependent(
         pred,
-        carry,
-        consts,
-        cpu=lambda p, c, k: _loop_form(p, traced, c, k),
-        default=lambda p, c, k: _cond_form(p, traced, c, k),
+        operand,
+        traced.consts,
+        cpu=lambda p, op, k: _loop_form(p, traced, op, k, held),
+        default=lambda p, op, k: _cond_form(p, traced, op, k, held),
     )
 
 
@@ -158,11 +177,19 @@ def unmerged_zeros(like: Any, salt: jax.Array) -> Any:
 
 
 def zeroed(tree: Any, salt: jax.Array) -> Any:
-    """`tree` overwritten with zeros, in place: `where(salt >= 0, 0, x)` for every
-    int32 `salt >= 0`, which XLA cannot fold, so each leaf is rewritten in its own
-    buffer instead of a fresh broadcast being copied over it."""
-    keep = salt < 0
-    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros((), x.dtype)), tree)
+    """Zeros shaped like `tree`, to replace it inside a releasing branch.
+
+    On the CPU each leaf is overwritten in its own buffer, `where(salt < 0, x, 0)`
+    for a replicated int32 `salt >= 0` that XLA cannot fold; a fresh broadcast would be
+    merged with the others and copied over the loop-carried buffer. Plain zeros on TPU
+    and GPU.
+    """
+
+    def on_cpu(tree: Any) -> Any:
+        keep = salt < 0
+        return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros((), x.dtype)), tree)
+
+    return lax.platform_dependent(tree, cpu=on_cpu, default=optax.tree.zeros_like)
 
 
 # --------------------------------------------------------------------------- public helpers
@@ -176,7 +203,8 @@ def apply_if(pred: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
     holds a collective. Not reverse-mode differentiable on the CPU (optimizer updates
     are never differentiated in this library).
     """
-    return _run_if(pred, _Traced.of(fn, carry), carry)
+    traced = _Traced.of(lambda c: ((), fn(c)), carry)
+    return _run_if(pred, traced, carry, held=lambda salted: ())[1]
 
 
 def update_if(
@@ -193,9 +221,9 @@ def update_if(
 
     `new_state` is cast back to `state`'s dtypes, so an inner optimizer whose state
     changes dtype with mixed-precision gradients keeps a fixed state. `salt` is a
-    replicated int32 scalar (a counter) for `unmerged_zeros`. `held` maps the zero
-    updates to what a held step returns (e.g. padding row ids). When `params` is the
-    very object an active `fused_apply` was given, the branch also applies the
+    replicated int32 scalar (a counter) for `unmerged_zeros` on the CPU. `held` maps
+    the zero updates to what a held step returns (e.g. padding row ids). When `params`
+    is the very object an active `fused_apply` was given, the branch also applies the
     updates to it (see `fused_apply`).
     """
     sink = _SINK.get()
@@ -206,11 +234,14 @@ def update_if(
     else:
         operand = state
         traced = _Traced.of(fn, operand)
-    zeros = unmerged_zeros(traced.out_shapes[0], salt)
-    carry = (held(zeros) if held is not None else zeros, operand)
-    # The carry's first slot only holds the held step's updates: the body ignores it.
-    body = _Traced.of(lambda c: traced(traced.consts, c[1]), carry)
-    updates, operand = _run_if(pred, body, carry)
+    shapes, finish = traced.out_shapes[0], held or (lambda zeros: zeros)
+
+    def held_updates(salted: bool) -> Any:
+        if salted:
+            return finish(unmerged_zeros(shapes, salt))
+        return finish(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+    updates, operand = _run_if(pred, traced, operand, held_updates)
     if not fuse:
         return updates, operand
     state, new_params = operand

@@ -1,0 +1,121 @@
+"""What TPU and GPU get: every transform lowered on this CPU for ("tpu",) and ("cuda",).
+
+`jax.jit(f).trace(*args).lower(lowering_platforms=...)` builds the StableHLO module a
+TPU or a GPU would compile, without one. For every case of tests/_cases.py, in the
+canonical step and in `apply_gradients`, the module
+
+- lowers;
+- decides held or released with a `stablehlo.case` of two branches, one of which
+  runs the inner optimizer (transforms that hold or drop);
+- holds no `stablehlo.while` (the CPU's 0/1-trip loop) and no
+  `stablehlo.optimization_barrier` (which would block fusion there).
+
+On the CPU the same program takes the loop instead, which is checked too.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from _cases import CASE_IDS, CASES, REPLICAS, Case, _stack, _step_inputs
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+ACCELERATORS = [("tpu",), ("cuda",)]
+
+
+def _step(case: Case, tx, fused: bool):
+    def step(params, state, grads, extra):
+        if fused:
+            return optax_accum.apply_gradients(tx, grads, state, params, **extra)
+        updates, state = tx.update(grads, state, params, **extra)
+        return case.apply_updates(params, updates), state
+
+    return step
+
+
+def _per_replica(step):
+    def body(params, state, grads, extra):
+        row = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        out = step(row(params), row(state), row(grads), extra)
+        return jax.tree.map(lambda x: x[None], out)
+
+    return body
+
+
+def lowered_text(case: Case, platforms: tuple[str, ...], *, fused: bool) -> str:
+    tx = case.make("replicas" if case.needs_axis else None)
+    params = case.params()
+    step = _step(case, tx, fused)
+    if case.needs_axis:
+        # Replicas under jax.shard_map, each holding row r of the stacked inputs
+        # (jax.vmap would turn every cond on a replicated predicate into a select).
+        params = _stack([params] * REPLICAS)
+        state = jax.vmap(tx.init)(params)
+        step = jax.shard_map(
+            _per_replica(step),
+            mesh=jax.sharding.Mesh(np.array(jax.devices()[:REPLICAS]), ("replicas",)),
+            in_specs=(P("replicas"), P("replicas"), P("replicas"), P()),
+            out_specs=P("replicas"),
+            check_vma=False,
+        )
+    else:
+        state = tx.init(params)
+    args = (params, state, _step_inputs(case, 0, frozenset()), case.extra_args(0))
+    return jax.jit(step).trace(*args).lower(lowering_platforms=platforms).as_text()
+
+
+def case_ops(text: str) -> list[list[str]]:
+    """Each `stablehlo.case` op of the module, as the list of its branch regions' text."""
+    lines = text.splitlines()
+    found = []
+    for start, line in enumerate(lines):
+        if '"stablehlo.case"' not in line:
+            continue
+        depth, regions, current = 0, [], []
+        for body in lines[start:]:
+            if depth == 1 and body.strip().startswith("}, {"):
+                regions.append("\n".join(current))
+                current = []
+                continue
+            depth += body.count("{") - body.count("}")
+            current.append(body)
+            if depth <= 0:
+                regions.append("\n".join(current))
+                break
+        found.append(regions)
+    return found
+
+
+def is_decision(regions: list[str]) -> bool:
+    """A case of two or more branches, one of which computes on arrays (not just the
+    constants of `lax.platform_dependent`'s own index)."""
+    computes = [
+        re.search(r"stablehlo\.(multiply|add|divide|subtract|sqrt|all_reduce)", r) for r in regions
+    ]
+    return len(regions) >= 2 and any(computes)
+
+
+HOLDS = {c.name for c in CASES if c.name.startswith(("conditional", "sparse", "drop_stale", "agn"))}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["canonical", "apply_gradients"])
+@pytest.mark.parametrize("platforms", ACCELERATORS, ids=lambda p: p[0])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_accelerators_branch_with_a_case_and_no_loop_or_barrier(case, platforms, fused):
+    text = lowered_text(case, platforms, fused=fused)
+    assert "stablehlo.while" not in text
+    assert "optimization_barrier" not in text
+    if case.name in HOLDS:
+        assert any(is_decision(regions) for regions in case_ops(text)), "no held/release case"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in HOLDS], ids=lambda c: c.name)
+def test_the_cpu_takes_the_loop(case):
+    text = lowered_text(case, ("cpu",), fused=False)
+    assert "stablehlo.while" in text
+    assert not any(is_decision(regions) for regions in case_ops(text))
