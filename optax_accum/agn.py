@@ -228,6 +228,9 @@ def agn(
             _common.require_bound_axis(axis_name)
 
         local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        # Gradients in another dtype than the params may change the dtypes of `inner`'s
+        # state (Adam's moments); the state keeps its own, as optax.MultiSteps does.
+        inner_state = optax.tree.cast_like(inner_state, state.inner_state)
         accumulator = state.accumulator
         round_nonfinite = state.round_nonfinite
         if skip_nonfinite:
