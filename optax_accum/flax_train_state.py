@@ -15,6 +15,7 @@ from typing import Any
 from flax import nnx
 from flax.training import train_state
 
+from optax_accum import _common
 from optax_accum.train_step import _apply_gradients
 
 
@@ -120,6 +121,9 @@ class NNXOptimizer(nnx.Optimizer):
       >>> int(optimizer.step[...]), int(optax_accum.global_step(optimizer.opt_state))
       (3, 1)
     """
+
+    def __init__(self, model: Any, tx: Any, **kwargs: Any) -> None:
+        super().__init__(model, _common.require_transformation("tx", tx), **kwargs)
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         """Applies `grads` to `model` with `tx` (extra keywords go to `tx.update`).

@@ -13,7 +13,7 @@ from typing import Any
 
 import optax
 
-from optax_accum import _branch
+from optax_accum import _branch, _common
 from optax_accum.indexed_slices import apply_updates
 
 
@@ -25,7 +25,7 @@ def _apply_gradients(
     **extra_args: Any,
 ) -> tuple[optax.Params, optax.OptState, optax.Updates]:
     """`apply_gradients`, also returning the updates (for `nnx.Optimizer.update`)."""
-    tx = optax.with_extra_args_support(tx)
+    tx = optax.with_extra_args_support(_common.require_transformation("tx", tx))
     with _branch.fused_apply(params) as sink:
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     new_params = sink.params_for(updates)
@@ -68,6 +68,10 @@ def apply_gradients(
 
     Returns:
       The pair `(params, opt_state)` after the step.
+
+    Raises:
+      TypeError: when `tx` is not an optax transformation; otherwise what `tx.update`
+        raises for bad gradients.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optax_accum

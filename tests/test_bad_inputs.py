@@ -823,12 +823,44 @@ BAD: list[Bad] = [
         r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
     ),
     Bad(
+        "apply_gradients/tx='sgd'",
+        lambda: optax_accum.apply_gradients("sgd", GRADS, optax.EmptyState(), GRADS),
+        TypeError,
+        r"tx must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
+    Bad(
+        "apply_gradients/grads of another structure",
+        lambda: optax_accum.apply_gradients(
+            _accumulate(), {"x": GRADS}, _accumulate().init(GRADS), GRADS
+        ),
+        ValueError,
+        r"updates must have the tree structure of the params",
+    ),
+    Bad(
+        "NNXOptimizer/tx='sgd'",
+        lambda: optax_accum.NNXOptimizer(_nnx_model(), "sgd", wrt=_nnx_param()),
+        TypeError,
+        r"tx must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
+    Bad(
         "cross_shard_optimizer/inner='sgd'",
         lambda: optax_accum.cross_shard_optimizer("sgd", "i"),
         TypeError,
         r"inner must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
     ),
 ]
+
+
+def _nnx_model():
+    from flax import nnx
+
+    return nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+
+def _nnx_param():
+    from flax import nnx
+
+    return nnx.Param
 
 
 def _raised_by_optax_accum(info: pytest.ExceptionInfo) -> bool:
