@@ -18,7 +18,9 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _cases import CASE_IDS, CASES, REPLICAS, Case, _stack, _step_inputs
 from jax.sharding import PartitionSpec as P
@@ -119,3 +121,39 @@ def test_the_cpu_takes_the_loop(case):
     text = lowered_text(case, ("cpu",), fused=False)
     assert "stablehlo.while" in text
     assert not any(is_decision(regions) for regions in case_ops(text))
+
+
+# --------------------------------------------------------------------------- tracing cost
+
+
+def _counting(inner, calls: list):
+    """`inner`, counting how often its `update` is traced."""
+
+    def update(updates, state, params=None, **extra_args):
+        calls.append(1)
+        return inner.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+NESTINGS = [
+    lambda tx: optax_accum.conditional_accumulator(tx, 2),
+    lambda tx: optax_accum.drop_stale_gradients(tx, 1),
+    lambda tx: optax_accum.agn(tx, 2),
+]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["canonical", "apply_gradients"])
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_the_inner_update_is_traced_at_most_twice_per_level(levels, fused):
+    """Nested optax_accum transforms trace the innermost optimizer at most 2**levels
+    times (it was 3**levels): each branch body is traced once and reused by both the
+    CPU and the accelerator forms."""
+    calls: list = []
+    tx = _counting(optax.sgd(0.1, momentum=0.9), calls)
+    for wrap in NESTINGS[:levels]:
+        tx = wrap(tx)
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    step = _step(Case("nested", lambda axis: tx), tx, fused)
+    jax.jit(step).trace(params, tx.init(params), params, {}).lower()
+    assert 1 <= len(calls) <= 2**levels
