@@ -275,7 +275,7 @@ def _shard_map_step(tx):
     def step(params, state, a, b, poison):
         grads = jnp.where(poison, jnp.inf, a * (params - b))  # poison: (1, 1) per worker
         updates, state = tx.update(grads, state, params)
-        every_copy = jax.lax.pcast(state.centre, "w", to="varying")
+        every_copy = _compat.pcast_varying(state.centre, "w")
         return optax.apply_updates(params, updates), state, every_copy
 
     fn = jax.jit(

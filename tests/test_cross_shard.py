@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import _compat
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 
 # The module, not the function of the same name that optax_accum re-exports.
@@ -328,7 +329,7 @@ def test_replica_invariant_gradient_under_shard_map_raises():
 
     def body(w, x, per_replica):
         if per_replica:
-            w = jax.lax.pcast(w, "i", to="varying")
+            w = _compat.pcast_varying(w, "i")
         g = jax.grad(lambda w: jnp.sum(w * x))(w)
         return tx.update(g, tx.init(g))[0]
 
