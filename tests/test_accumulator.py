@@ -244,7 +244,7 @@ def test_counters_saturate_instead_of_wrapping():
 
 
 class _Reference:
-    """SEMANTICS §1 in float64 NumPy: accept iff local_step >= GS; release at k."""
+    """docs/semantics.md §1 in float64 NumPy: accept iff local_step >= GS; release at k."""
 
     def __init__(self, k: int, mean: bool, shape):
         self.k, self.mean, self.gs, self.count = k, mean, 0, 0

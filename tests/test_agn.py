@@ -44,7 +44,7 @@ class NpSGD:
 
 
 def np_agn(grad_fn, p0, period, steps, inner, outer, commit="gradients", workers=1):
-    """AGN as SEMANTICS §5 states it, in float64, for `workers` averaging workers.
+    """AGN as docs/semantics.md §5 states it, in float64, for `workers` averaging workers.
 
     `grad_fn(w, t, local)` is worker w's gradient at step t (None = skipped).
     Returns the local params of every worker and the centre, after every step.

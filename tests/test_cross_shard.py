@@ -1,4 +1,4 @@
-"""cross_shard / cross_shard_optimizer: SEMANTICS.md §3 vectors, groups under every
+"""cross_shard / cross_shard_optimizer: docs/semantics.md §3 vectors, groups under every
 mapper against NumPy, equivalence with single-device training, and bad input."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def numpy_group_reduce(grads: np.ndarray, groups, mean: bool) -> np.ndarray:
     return out
 
 
-# --------------------------------------------------------------------------- SEMANTICS §3
+# -------------------------------------------------------------------- docs/semantics.md §3
 
 
 @pytest.mark.parametrize("mapper", MAPPERS)
