@@ -1,6 +1,6 @@
 """Does AGN match synchronous SGD with fewer all-reduces? A convergence study on digits.
 
-Eight workers (8 simulated CPU devices, `jax.shard_map`) train the demo's Flax MLP,
+Eight workers (8 simulated CPU devices, `jax.shard_map`) train a small Flax MLP (digits.py),
 each on its own shard of scikit-learn's digits, and every method sees exactly the same
 examples in the same order: `--steps` local steps of `--batch` examples per worker.
 Synchronous data-parallel SGD (`cross_shard_optimizer(optax.sgd(lr))`) all-reduces
@@ -30,12 +30,18 @@ import dataclasses
 import json
 import pathlib
 import platform
+import time
+from collections.abc import Callable
+from typing import Any
 
+import digits
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
 
-from optax_accum.demo import Sizes
-from optax_accum.demo import agn as study_core
+import optax_accum
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SYNC = "sync SGD (cross_shard_optimizer)"
@@ -43,7 +49,202 @@ TF_P4 = "agn P=4 (TF: outer = inner)"
 SCALED_P4 = "agn P=4, outer sgd(4*lr)"
 
 
-def _summarise(per_seed: list[list[study_core.Result]]) -> list[dict]:
+# --------------------------------------------------------------------------- the study
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Local steps per worker, examples per worker step, and the seed."""
+
+    steps: int
+    batch: int
+    seed: int
+
+
+WORKERS = 8
+LEARNING_RATE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to train the eight workers.
+
+    `make(axis_name)` builds the transform; `model(params, state)` is the model the
+    method evaluates (the centre for AGN); `synced(state)` tells whether the last step
+    all-reduced.
+    """
+
+    name: str
+    make: Callable[[str], optax.GradientTransformationExtraArgs]
+    model: Callable[[Any, Any], Any] = lambda params, state: state.centre
+    synced: Callable[[Any], jax.Array] = optax_accum.has_updated
+
+
+def methods(lr: float = LEARNING_RATE) -> list[Method]:
+    """Synchronous SGD, then AGN as TF runs it, with a scaled outer step, and by delta."""
+    sync = Method(
+        "sync SGD (cross_shard_optimizer)",
+        lambda axis: optax_accum.cross_shard_optimizer(optax.sgd(lr), axis),
+        model=lambda params, state: params,
+        synced=lambda state: jnp.asarray(True),
+    )
+    tf_default = [
+        Method(
+            f"agn P={p} (TF: outer = inner)",
+            lambda axis, p=p: optax_accum.agn(optax.sgd(lr), p, axis_name=axis),
+        )
+        for p in (1, 4, 16)
+    ]
+    scaled = [
+        Method(
+            f"agn P={p}, outer sgd({p}*lr)",
+            lambda axis, p=p: optax_accum.agn(
+                optax.sgd(lr), p, axis_name=axis, outer=optax.sgd(p * lr)
+            ),
+        )
+        for p in (4, 16)
+    ]
+    delta = [
+        Method(
+            "agn delta P=4, outer sgd(1) (paper)",
+            lambda axis: optax_accum.agn(optax.sgd(lr), 4, axis_name=axis, commit="delta"),
+        ),
+        Method(
+            "agn delta P=4, outer sgd(4) (model avg.)",
+            lambda axis: optax_accum.agn(
+                optax.sgd(lr), 4, axis_name=axis, commit="delta", outer=optax.sgd(4.0)
+            ),
+        ),
+        Method(
+            "agn delta P=4, DiLoCo outer",
+            lambda axis: optax_accum.agn(
+                optax.sgd(lr),
+                4,
+                axis_name=axis,
+                commit="delta",
+                outer=optax.sgd(0.7 * 4, momentum=0.9, nesterov=True),
+            ),
+        ),
+    ]
+    return [sync, *tf_default, *scaled, *delta]
+
+
+@dataclasses.dataclass
+class Result:
+    """One method's outcome: final accuracy, communication, and the accuracy curve.
+
+    `curve[i]` is the centre's test accuracy after communication round `rounds[i]`,
+    which ended at local step `steps[i]`.
+    """
+
+    method: str
+    accuracy: float
+    loss: float
+    all_reduces: int
+    bytes: int
+    rounds: list[int]
+    steps: list[int]
+    curve: list[float]
+    seconds: float
+
+
+def _worker_fn(method: Method, model: Any, x_test: Any, y_test: Any) -> Callable:
+    """One worker's whole training run, as a function of its shard and batch indices."""
+    tx = method.make("w")
+    grad_fn = jax.grad(lambda p, xb, yb: digits.loss_fn(model, p, xb, yb))
+
+    def test_accuracy(params):
+        logits = model.apply({"params": params}, x_test)
+        return (jnp.argmax(logits, -1) == y_test).mean(dtype=jnp.float32)
+
+    def test_loss(params):
+        return digits.loss_fn(model, params, x_test, y_test)
+
+    def worker(params, xs, ys, idx):
+        def body(carry, batch):
+            params, state = carry
+            updates, state = tx.update(grad_fn(params, xs[batch], ys[batch]), state, params)
+            params = optax.apply_updates(params, updates)
+            synced = method.synced(state)
+            # Test accuracy on sync steps only (-1 elsewhere); cheap at digits' size.
+            acc = jnp.where(synced, test_accuracy(method.model(params, state)), -1.0)
+            return (params, state), (synced, acc)
+
+        (params, state), (synced, curve) = jax.lax.scan(body, (params, tx.init(params)), idx)
+        final = method.model(params, state)
+        return synced, curve, test_accuracy(final), test_loss(final)
+
+    return worker
+
+
+def _spmd(worker: Callable) -> Callable:
+    """Runs `worker` once per worker and returns worker 0's outputs.
+
+    On 8 devices with `jax.shard_map` if there are 8, else under `jax.vmap`. The
+    inputs after the first (the shared initial params) carry a leading worker axis.
+    Every worker returns the same numbers (the centre, or synchronous SGD's params),
+    so under shard_map `pmax` types the outputs replica-invariant without changing them.
+    """
+    if jax.device_count() < WORKERS:
+        mapped = jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name="w")
+        return jax.jit(lambda *args: jax.tree.map(lambda o: o[0], mapped(*args)))
+    mesh = jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def same_everywhere(o: jax.Array) -> jax.Array:
+        if o.dtype == jnp.bool_:
+            return jax.lax.pmax(o.astype(jnp.int32), "w").astype(jnp.bool_)
+        return jax.lax.pmax(o, "w")
+
+    def per_device(params, *data):
+        mine = jax.lax.pcast(params, "w", to="varying")  # each worker's own copy
+        return jax.tree.map(same_everywhere, worker(mine, *(d[0] for d in data)))
+
+    return jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("w"), P("w"), P("w")), out_specs=P())
+    )
+
+
+def study(
+    sizes: Sizes, selected: list[Method] | None = None, progress: bool = True
+) -> list[Result]:
+    """Trains every method for `sizes.steps` local steps of `sizes.batch` per worker."""
+    x, y, xt, yt = digits.digits(sizes.seed)
+    n = len(x) // WORKERS
+    xs = jnp.asarray(x[: n * WORKERS].reshape(WORKERS, n, -1))
+    ys = jnp.asarray(y[: n * WORKERS].reshape(WORKERS, n))
+    idx = np.random.default_rng(sizes.seed).integers(0, n, size=(WORKERS, sizes.steps, sizes.batch))
+    idx = jnp.asarray(idx, jnp.int32)
+    model, params = digits.init_mlp(sizes.seed)
+    payload = sum(int(np.asarray(p).nbytes) for p in jax.tree.leaves(params))
+    selected = methods() if selected is None else selected
+    results = []
+    iterator = digits.progress(selected, "agn study") if progress else selected
+    for method in iterator:
+        start = time.perf_counter()
+        run = _spmd(_worker_fn(method, model, jnp.asarray(xt), jnp.asarray(yt)))
+        synced, curve, accuracy, loss = jax.device_get(run(params, xs, ys, idx))
+        synced, curve = np.asarray(synced), np.asarray(curve)
+        rounds = np.cumsum(synced)
+        results.append(
+            Result(
+                method=method.name,
+                accuracy=float(accuracy),
+                loss=float(loss),
+                all_reduces=int(rounds[-1]),
+                bytes=int(rounds[-1]) * payload,
+                rounds=rounds[synced].tolist(),
+                steps=(np.flatnonzero(synced) + 1).tolist(),
+                curve=curve[synced].tolist(),
+                seconds=time.perf_counter() - start,
+            )
+        )
+    return results
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _summarise(per_seed: list[list[Result]]) -> list[dict]:
     """Mean and spread over seeds, per method, in the order the methods ran."""
     rows = []
     for runs in zip(*per_seed, strict=True):
@@ -91,9 +292,7 @@ def _verdict(name: str, row: dict, sync: dict) -> str:
     return f"{name}: {gap:+.2f} pp, {fewer:.0f}x fewer all-reduces -> target {verdict}"
 
 
-def _plot(
-    results: list[study_core.Result], extra: study_core.Result, batch: int, path: pathlib.Path
-) -> None:
+def _plot(results: list[Result], extra: Result, batch: int, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,27 +371,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1024, help="local steps per worker")
     parser.add_argument("--batch", type=int, default=16, help="examples per worker step")
-    parser.add_argument("--lr", type=float, default=study_core.LEARNING_RATE)
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     if args.steps % 16:
         parser.error("--steps must be a multiple of 16 (whole rounds for every period)")
 
-    methods = study_core.methods(args.lr)
+    selected = methods(args.lr)
     per_seed = [
-        study_core.study(Sizes(steps=args.steps, batch=args.batch, seed=s), methods)
-        for s in args.seeds
+        study(Sizes(steps=args.steps, batch=args.batch, seed=s), selected) for s in args.seeds
     ]
     rows = _summarise(per_seed)
     by_name = {r["method"]: r for r in rows}
     sync = by_name[SYNC]
 
     # Why TF's default falls short: the same method with 4x the examples.
-    tf_p4 = next(m for m in methods if m.name == TF_P4)
+    tf_p4 = next(m for m in selected if m.name == TF_P4)
     longer = dataclasses.replace(tf_p4, name=f"{TF_P4}, 4x examples")
     per_seed_long = [
-        study_core.study(Sizes(steps=4 * args.steps, batch=args.batch, seed=s), [longer])
-        for s in args.seeds
+        study(Sizes(steps=4 * args.steps, batch=args.batch, seed=s), [longer]) for s in args.seeds
     ]
     (long_row,) = _summarise(per_seed_long)
 
@@ -215,7 +412,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     _plot(per_seed[0], per_seed_long[0][0], args.batch, RESULTS / "agn.png")
     report = {
-        "config": vars(args) | {"workers": study_core.WORKERS, "devices": len(jax.devices())},
+        "config": vars(args) | {"workers": WORKERS, "devices": len(jax.devices())},
         "machine": platform.platform(),
         "methods": [*rows, long_row],
         "step_cost": cost,

@@ -11,50 +11,98 @@ overrides to run it quickly.
 from __future__ import annotations
 
 import pathlib
+import re
 import textwrap
+import tomllib
 
 import nbformat
 from nbformat import v4
 
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = "optax-accum/optax_accum"
+PYPROJECT = tomllib.loads((HERE.parent / "pyproject.toml").read_text())
+# The project's public address lives in one place: pyproject.toml's [project.urls]
+# Repository. Until it is filled in, the notebooks have no Colab badge and install
+# optax_accum from a wheel or a clone uploaded to the Colab runtime.
+REPOSITORY = PYPROJECT["project"].get("urls", {}).get("Repository")
+# The oldest jax optax_accum supports, from its dependencies ("jax>=0.8.0").
+MIN_JAX = next(
+    re.fullmatch(r"jax>=([\d.]+)", d)[1]
+    for d in PYPROJECT["project"]["dependencies"]
+    if d.startswith("jax>=")
+)
 
 
 def badge(name: str) -> str:
-    url = f"https://colab.research.google.com/github/{REPO}/blob/main/colab/{name}.ipynb"
+    """The "Open in Colab" badge, or "" while the repository's address is unknown."""
+    if not REPOSITORY:
+        return ""
+    path = REPOSITORY.removeprefix("https://github.com/").rstrip("/")
+    url = f"https://colab.research.google.com/github/{path}/blob/main/colab/{name}.ipynb"
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
 SETUP = """
-# Setup. On Colab, install optax_accum. On a TPU runtime, use its TPU cores; anywhere
-# else (CPU or GPU runtimes), use 8 simulated CPU devices so the multi-device code runs
-# unchanged. Device settings only take effect before JAX is imported: run this first.
+# Setup: run this cell first. On Colab it installs optax_accum, keeping the runtime's
+# own jax (its TPU or GPU build). The notebook then uses the devices JAX finds: a TPU's
+# cores, a GPU, or, on a CPU-only runtime, simulated CPU devices (8 by default; set
+# OPTAX_ACCUM_CPU_DEVICES to change it). Device flags only take effect before JAX starts.
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
 
-if "google.colab" in sys.modules:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "optax-accum[demo] @ git+https://github.com/optax-accum/optax_accum"],
-        check=True,
-    )
-ON_TPU = (
-    "COLAB_TPU_ADDR" in os.environ
-    or "TPU_ACCELERATOR_TYPE" in os.environ
-    or bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-)
-if not ON_TPU:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
+REPOSITORY = @REPOSITORY@  # where pip gets optax_accum; None: from an upload
+MIN_JAX = @MIN_JAX@
+
+
+def install_optax_accum():
+    have = importlib.metadata.version("jax")
+    if tuple(map(int, have.split(".")[:3])) < tuple(map(int, MIN_JAX.split("."))):
+        raise RuntimeError(f"optax_accum needs jax>={MIN_JAX}; this runtime has jax {have}")
+    wheels = sorted(glob.glob("/content/optax_accum-*.whl"))
+    if REPOSITORY:
+        source = f"optax-accum @ git+{REPOSITORY}"
+    elif wheels:
+        source = wheels[-1]
+    elif os.path.exists("/content/optax_accum/pyproject.toml"):
+        source = "/content/optax_accum"
+    else:
+        raise RuntimeError(
+            "optax_accum is not installed. Build a wheel in a clone of the repository "
+            "(`pip wheel --no-deps . -w dist`), upload dist/optax_accum-*.whl to /content "
+            "(the Files pane), or upload the clone as /content/optax_accum; then run this "
+            "cell again."
+        )
+    keep = "/tmp/keep_runtime_jax.txt"  # pip may not replace the runtime's jax
+    with open(keep, "w") as f:
+        for dist in ("jax", "jaxlib"):
+            f.write(f"{dist}=={importlib.metadata.version(dist)}\\n")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", keep]
+    subprocess.run([*pip, source], check=True)
+    # The demo's libraries: Colab has them; install only what is missing.
+    wanted = {"flax": "flax", "sklearn": "scikit-learn", "matplotlib": "matplotlib",
+              "tqdm": "tqdm"}
+    missing = [dist for mod, dist in wanted.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        subprocess.run([*pip, *missing], check=True)
+
+
+if "google.colab" in sys.modules and importlib.util.find_spec("optax_accum") is None:
+    install_optax_accum()
+
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    cpu_devices = int(os.environ.get("OPTAX_ACCUM_CPU_DEVICES", "8"))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}"
 
 import jax
 
-print(f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices")
-"""
+n = jax.device_count()
+platform = jax.devices()[0].platform.upper()
+print(f"{n} {platform} device{'s' if n > 1 else ''}, jax {jax.__version__}")
+""".replace("@REPOSITORY@", repr(REPOSITORY)).replace("@MIN_JAX@", repr(MIN_JAX))
 
 DATA = """
 # scikit-learn's bundled 8x8 digits (1797 images, no download), scaled to [0, 1].
@@ -103,9 +151,21 @@ def accuracy(params):
 """
 
 
+def open_it(name: str) -> str:
+    """How to run the notebook: its Colab badge, or how to get it there."""
+    where = (
+        badge(name)
+        or "On Colab: File > Upload notebook, and give the first cell optax_accum as it says."
+    )
+    return (
+        f"{where} It runs on a TPU runtime (all its cores, or one chip), a GPU runtime "
+        "(one device) or a CPU runtime (simulated devices)."
+    )
+
+
 def cells_for(name: str, title: str, intro: str, params: str, body: list[str]) -> list:
     cells = [
-        v4.new_markdown_cell(f"# {title}\n\n{badge(name)}\n\n{textwrap.dedent(intro).strip()}"),
+        v4.new_markdown_cell(f"# {title}\n\n{open_it(name)}\n\n{textwrap.dedent(intro).strip()}"),
         v4.new_code_cell(SETUP.strip()),
         v4.new_code_cell(textwrap.dedent(params).strip(), metadata={"tags": ["parameters"]}),
         v4.new_code_cell(DATA.strip()),
@@ -375,18 +435,30 @@ NOTEBOOKS["data_parallel_cross_shard"] = (
         With `group_assignment=[[0, 2, 4, 6], [1, 3, 5, 7]]`, each device averages
         only with its group. Starting the two groups from different initialisations
         trains two independent models; averaging their logits gives a small ensemble.
+        Two groups need an even number of replicas: with one device (a GPU, or a single
+        TPU chip), 8 replicas run on it under `jax.vmap`, which takes the same
+        `axis_name` and groups as `jax.pmap`.
         """,
         """
-        groups = [list(range(0, n, 2)), list(range(1, n, 2))]
+        R = n if n % 2 == 0 else 8  # replicas: one per device, or 8 on one device
+        replica_map = jax.pmap if R == n else (
+            lambda f, axis_name=None: jax.jit(jax.vmap(f, axis_name=axis_name)))
+        groups = [list(range(0, R, 2)), list(range(1, R, 2))]
+        print(f"{R} replicas ({'one per device' if R == n else 'under jax.vmap'}), groups {groups}")
         gtx = optax_accum.cross_shard_optimizer(
             optax.sgd(LR), axis_name="devices", group_assignment=groups
         )
         second = model.init(jax.random.key(1), jnp.zeros((1, 64)))["params"]
-        params = jax.tree.map(  # device d starts from model d % 2
-            lambda a, b: jnp.stack([a if d % 2 == 0 else b for d in range(n)]),
+        params = jax.tree.map(  # replica r starts from model r % 2
+            lambda a, b: jnp.stack([a if r % 2 == 0 else b for r in range(R)]),
             init_params, second,
         )
-        state = jax.pmap(gtx.init)(params)
+        state = replica_map(gtx.init)(params)
+        group_batches = [sample(rng, R * PER_DEVICE_BATCH) for _ in range(STEPS)]
+
+
+        def group_shards(xb, yb):  # one slice per replica
+            return xb.reshape(R, PER_DEVICE_BATCH, -1), yb.reshape(R, PER_DEVICE_BATCH)
 
 
         def group_step(params, state, xb, yb):
@@ -395,10 +467,10 @@ NOTEBOOKS["data_parallel_cross_shard"] = (
             return optax.apply_updates(params, updates), state
 
 
-        g_step = jax.pmap(group_step, axis_name="devices")
+        g_step = replica_map(group_step, axis_name="devices")
         group_acc = {0: [], 1: []}
-        for i, (xb, yb) in enumerate(tqdm(batches, desc="two groups")):
-            params, state = jax.block_until_ready(g_step(params, state, *shards(xb, yb)))
+        for i, (xb, yb) in enumerate(tqdm(group_batches, desc="two groups")):
+            params, state = jax.block_until_ready(g_step(params, state, *group_shards(xb, yb)))
             if (i + 1) % 10 == 0:
                 for g in (0, 1):
                     group_acc[g].append(float(accuracy(jax.tree.map(lambda a: a[g], params))))
@@ -419,39 +491,44 @@ NOTEBOOKS["data_parallel_cross_shard"] = (
         all-reduce), but when the devices can be laid out by group,
         `optax_accum.replica_group_mesh` makes the groups a mesh axis, and the reduction
         over the other axis is one plain all-reduce per group: the fast path on a pod.
-        Each group's model is sharded over the "group" axis.
+        Each group's model is sharded over the "group" axis. (This needs one device per
+        replica, so it is skipped on a single device.)
         """,
         """
-        gmesh = optax_accum.replica_group_mesh(groups)  # axes ("group", "replica")
-        rtx = optax_accum.cross_shard_optimizer(optax.sgd(LR), axis_name="replica")
-        order = np.ravel(groups)  # position (g, j) of the mesh is replica groups[g][j]
+        if R != n:  # a mesh has one device per replica
+            print(f"skipped: the mesh needs {R} devices, this runtime has {n}")
+        else:
+            gmesh = optax_accum.replica_group_mesh(groups)  # axes ("group", "replica")
+            rtx = optax_accum.cross_shard_optimizer(optax.sgd(LR), axis_name="replica")
+            order = np.ravel(groups)  # position (g, j) of the mesh is replica groups[g][j]
 
 
-        def mesh_group_step(params, state, xb, yb):
-            own = jax.tree.map(lambda a: a[0], params)  # this group's model
-            grads = jax.grad(loss_fn)(jax.lax.pcast(own, "replica", to="varying"), xb[0], yb[0])
-            updates, state = rtx.update(grads, state, own)  # pmean over "replica" only
-            return jax.tree.map(lambda a: a[None], optax.apply_updates(own, updates)), state
+            def mesh_group_step(params, state, xb, yb):
+                own = jax.tree.map(lambda a: a[0], params)  # this group's model
+                grads = jax.grad(loss_fn)(jax.lax.pcast(own, "replica", to="varying"), xb[0], yb[0])
+                updates, state = rtx.update(grads, state, own)  # pmean over "replica" only
+                return jax.tree.map(lambda a: a[None], optax.apply_updates(own, updates)), state
 
 
-        mesh_group_step = jax.jit(jax.shard_map(
-            mesh_group_step, mesh=gmesh,
-            in_specs=(P("group"), P(), P(("group", "replica")), P(("group", "replica"))),
-            out_specs=(P("group"), P()),
-        ))
-        params = jax.tree.map(lambda a, b: jnp.stack([a, b]), init_params, second)
-        state = rtx.init(init_params)
-        for xb, yb in tqdm(batches, desc="group mesh"):
-            xs, ys = shards(xb, yb)
-            params, state = jax.block_until_ready(
-                mesh_group_step(params, state, xs[order], ys[order])
+            mesh_group_step = jax.jit(jax.shard_map(
+                mesh_group_step, mesh=gmesh,
+                in_specs=(P("group"), P(), P(("group", "replica")), P(("group", "replica"))),
+                out_specs=(P("group"), P()),
+            ))
+            params = jax.tree.map(lambda a, b: jnp.stack([a, b]), init_params, second)
+            state = rtx.init(init_params)
+            for xb, yb in tqdm(group_batches, desc="group mesh"):
+                xs, ys = group_shards(xb, yb)
+                params, state = jax.block_until_ready(
+                    mesh_group_step(params, state, xs[order], ys[order])
+                )
+            diff = max(
+                float(np.abs(np.asarray(a[g]) - np.asarray(b)).max())
+                for g in (0, 1)
+                for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(models[g]))
             )
-        diff = max(
-            float(np.abs(np.asarray(a[g]) - np.asarray(b)).max())
-            for g in (0, 1)
-            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(models[g]))
-        )
-        print(f"two models on a {dict(gmesh.shape)} mesh; differ from pmap's groups by {diff:.1e}")
+            print(f"two models on a {dict(gmesh.shape)} mesh; "
+                  f"differ from pmap's groups by {diff:.1e}")
         """,
         """
         import matplotlib.pyplot as plt
@@ -650,9 +727,10 @@ NOTEBOOKS["agn_vs_sync_sgd"] = (
     `agn(inner, communication_period, axis_name=...)`, with TF's commit of the
     gradients or the paper's commit of the parameter delta (`commit="delta"`).
 
-    Eight workers (TPU cores, or simulated CPU devices) train an MLP on digits. We
-    compare synchronous data-parallel SGD (`cross_shard_optimizer`, one all-reduce per
-    step) with AGN, by steps and by all-reduces.
+    Workers (one per TPU core or simulated CPU device; 8 under `jax.vmap` on a single
+    device) train an MLP on digits. We compare synchronous data-parallel SGD
+    (`cross_shard_optimizer`, one all-reduce per step) with AGN, by steps and by
+    all-reduces.
     """,
     """
     STEPS = 240
@@ -667,17 +745,22 @@ NOTEBOOKS["agn_vs_sync_sgd"] = (
 
         import optax_accum
 
-        n = jax.device_count()
+        # One worker per device; on a single device (a GPU, one TPU chip), 8 workers
+        # under jax.vmap, which takes the same axis_name as jax.pmap.
+        W = n if n > 1 else 8
+        worker_map = jax.pmap if W == n else (
+            lambda f, axis_name=None: jax.jit(jax.vmap(f, axis_name=axis_name)))
+        print(f"{W} workers ({'one per device' if W == n else 'under jax.vmap'})")
         rng = np.random.default_rng(0)
-        batches = [sample(rng, n * PER_DEVICE_BATCH) for _ in range(STEPS)]
+        batches = [sample(rng, W * PER_DEVICE_BATCH) for _ in range(STEPS)]
 
 
         def shards(xb, yb):
-            return xb.reshape(n, PER_DEVICE_BATCH, -1), yb.reshape(n, PER_DEVICE_BATCH)
+            return xb.reshape(W, PER_DEVICE_BATCH, -1), yb.reshape(W, PER_DEVICE_BATCH)
 
 
         def replicate(tree):
-            return jax.tree.map(lambda a: jnp.stack([a] * n), tree)
+            return jax.tree.map(lambda a: jnp.stack([a] * W), tree)
 
 
         def train(name, tx, model_of, rounds_of):
@@ -688,9 +771,9 @@ NOTEBOOKS["agn_vs_sync_sgd"] = (
                 updates, state = tx.update(grads, state, params)
                 return optax.apply_updates(params, updates), state
 
-            p_step = jax.pmap(step, axis_name="workers")
+            p_step = worker_map(step, axis_name="workers")
             params = replicate(init_params)
-            state = jax.pmap(tx.init)(params)
+            state = worker_map(tx.init)(params)
             log = []
             for i, (xb, yb) in enumerate(tqdm(batches, desc=name)):
                 # One step in flight at a time (simulated CPU devices stall otherwise).
@@ -741,7 +824,7 @@ NOTEBOOKS["agn_vs_sync_sgd"] = (
         ax2.set_xlabel("all-reduces (communication rounds)")
         ax2.set_xscale("log")
         ax1.legend()
-        ax1.set_title(f"{n} workers")
+        ax1.set_title(f"{W} workers")
         ax2.set_title("Accuracy per unit of communication")
         plt.show()
         """,

@@ -1,4 +1,4 @@
-"""Sphinx configuration: the optax_accum API reference, built from the docstrings.
+"""Sphinx configuration: the guide, the semantics and the API reference of optax_accum.
 
 Build it with `python -m sphinx -W -b html docs docs/_build/html` (tests/test_docs.py
 runs the same build and fails on any warning).
@@ -11,7 +11,9 @@ author = "optax_accum authors"
 copyright = "2026, optax_accum authors"
 release = optax_accum.__version__
 
-extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode", "myst_parser"]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+myst_heading_anchors = 3
 
 # Google-style docstrings; "Attributes:" become fields, not separate objects, so a
 # NamedTuple state is documented once.

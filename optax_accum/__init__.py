@@ -5,11 +5,12 @@ cross-replica averaging with replica subgroups, stale-gradient dropping, and
 communication-saving local SGD (AGN), for one CPU and for a TPU pod alike.
 """
 
+import importlib
+from typing import Any
+
 from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
 from optax_accum.agn import AGNState, agn
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
-from optax_accum.embedding import embedding_value_and_grad
-from optax_accum.flax_train_state import NNXOptimizer, TrainState
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
 from optax_accum.sharding import replica_group_mesh, state_partition_specs
@@ -27,6 +28,36 @@ from optax_accum.state import global_step, has_updated, num_accumulated, set_glo
 from optax_accum.train_step import apply_gradients
 
 __version__ = "0.1.0"
+
+# Names that need Flax (the optional extra): imported on first use, so that
+# `import optax_accum` works without Flax installed.
+_NEED_FLAX = {
+    "NNXOptimizer": "optax_accum.flax_train_state",
+    "TrainState": "optax_accum.flax_train_state",
+    "embedding_value_and_grad": "optax_accum.embedding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _NEED_FLAX.get(name)
+    if module is None:
+        raise AttributeError(f"module 'optax_accum' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "flax":
+            raise
+        raise ImportError(
+            f"optax_accum.{name} needs Flax, which is not installed; install the extra: "
+            'pip install "optax-accum[flax]"'
+        ) from e
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NEED_FLAX))
+
 
 __all__ = [
     "AGNState",

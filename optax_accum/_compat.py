@@ -7,6 +7,9 @@ means, it raises a clear error rather than guessing.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -40,12 +43,81 @@ def varying_axes(x: Any) -> frozenset:
     )
 
 
+def pcast_varying(x: Any, axis_name: Hashable | Sequence[Hashable]) -> Any:
+    """`x` (a pytree) typed as varying over `axis_name` under `jax.shard_map`.
+
+    No data moves: each replica keeps its own copy, now typed as its own. Differentiate
+    with respect to it to get each replica's own gradient. jax >= 0.8.2 spells it
+    `jax.lax.pcast(x, axis_name, to="varying")`, older jax `jax.lax.pvary`.
+
+    Raises:
+      RuntimeError: when the running jax has neither.
+    """
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axis_name, to="varying")
+    if hasattr(lax, "pvary"):
+        return lax.pvary(x, axis_name)
+    raise RuntimeError(_missing("jax.lax.pcast(..., to='varying') or jax.lax.pvary"))
+
+
 def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
     """`x` typed as varying over `axes` too under `jax.shard_map` (no data moves)."""
     missing = axes - varying_axes(x)
     if not missing:
         return x
-    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+    return pcast_varying(x, tuple(sorted(missing, key=str)))
 
 
-__all__ = ["make_varying", "varying_axes"]
+def all_gather_invariant(x: jax.Array, axis_name: Hashable | Sequence[Hashable]) -> jax.Array:
+    """Every replica's `x` stacked on a new leading axis, typed replica-invariant.
+
+    Under `jax.shard_map`, the result needs no mesh axis in an out_spec. `x` must be
+    varying over `axis_name`. jax >= 0.9 spells it `jax.lax.all_gather(x, axis_name,
+    to="invarying")`, older jax `jax.lax.all_gather_invariant`.
+
+    Raises:
+      RuntimeError: when the running jax has neither.
+    """
+    if _ALL_GATHER_TAKES_TO:
+        return lax.all_gather(x, axis_name, to="invarying")
+    if hasattr(lax, "all_gather_invariant"):
+        return lax.all_gather_invariant(x, axis_name)
+    raise RuntimeError(
+        _missing("jax.lax.all_gather(..., to='invarying') or jax.lax.all_gather_invariant")
+    )
+
+
+def enable_x64(new_val: bool = True) -> contextlib.AbstractContextManager:
+    """A context manager that turns 64-bit types on (or off) in this thread.
+
+    jax >= 0.8 spells it `jax.enable_x64`, older jax `jax.experimental.enable_x64`.
+
+    Raises:
+      RuntimeError: when the running jax has neither.
+    """
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(new_val)
+    from jax import experimental
+
+    if hasattr(experimental, "enable_x64"):
+        return experimental.enable_x64(new_val)
+    raise RuntimeError(_missing("jax.enable_x64 or jax.experimental.enable_x64"))
+
+
+def _missing(what: str) -> str:
+    return (
+        f"optax_accum needs {what}, which jax {jax.__version__} does not have; "
+        "please report this with your jax version"
+    )
+
+
+_ALL_GATHER_TAKES_TO = "to" in inspect.signature(lax.all_gather).parameters
+
+
+__all__ = [
+    "all_gather_invariant",
+    "enable_x64",
+    "make_varying",
+    "pcast_varying",
+    "varying_axes",
+]

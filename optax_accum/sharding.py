@@ -182,8 +182,8 @@ def state_partition_specs(
       >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 8, axis_name="data")
       >>> specs = optax_accum.state_partition_specs(tx, jnp.zeros(3), mesh)
-      >>> specs.accumulator, specs.global_step
-      (P('data',), P())
+      >>> tuple(specs.accumulator), tuple(specs.global_step)  # P("data"), P()
+      (('data',), ())
     """
     _common.require_transformation("tx", tx)
     if not isinstance(mesh, Mesh):

@@ -287,7 +287,7 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
     """
     names = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
     if names <= set(jax.sharding.get_abstract_mesh().manual_axes):  # shard_map or pmap
-        return lax.all_gather(_compat.make_varying(x, names), axis_name, to="invarying")
+        return _compat.all_gather_invariant(_compat.make_varying(x, names), axis_name)
     return lax.all_gather(x, axis_name)  # vmap
 
 

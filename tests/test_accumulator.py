@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import ConditionalAccumulatorState, conditional_accumulator
+from optax_accum import ConditionalAccumulatorState, _compat, conditional_accumulator
 
 
 def _feeder(tx, params):
@@ -130,7 +130,7 @@ def test_mean_divides_by_all_accepted_when_more_than_required_arrive():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64])
 def test_float_dtypes_mean_of_zero_to_nine(dtype):
-    with jax.enable_x64(dtype == jnp.float64):
+    with _compat.enable_x64(dtype == jnp.float64):
         tx = conditional_accumulator(optax.identity(), num_required=10)
         params = jnp.zeros((1,), dtype)
         state = tx.init(params)
@@ -244,7 +244,7 @@ def test_counters_saturate_instead_of_wrapping():
 
 
 class _Reference:
-    """SEMANTICS §1 in float64 NumPy: accept iff local_step >= GS; release at k."""
+    """docs/semantics.md §1 in float64 NumPy: accept iff local_step >= GS; release at k."""
 
     def __init__(self, k: int, mean: bool, shape):
         self.k, self.mean, self.gs, self.count = k, mean, 0, 0

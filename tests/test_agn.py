@@ -44,7 +44,7 @@ class NpSGD:
 
 
 def np_agn(grad_fn, p0, period, steps, inner, outer, commit="gradients", workers=1):
-    """AGN as SEMANTICS §5 states it, in float64, for `workers` averaging workers.
+    """AGN as docs/semantics.md §5 states it, in float64, for `workers` averaging workers.
 
     `grad_fn(w, t, local)` is worker w's gradient at step t (None = skipped).
     Returns the local params of every worker and the centre, after every step.
@@ -275,7 +275,7 @@ def _shard_map_step(tx):
     def step(params, state, a, b, poison):
         grads = jnp.where(poison, jnp.inf, a * (params - b))  # poison: (1, 1) per worker
         updates, state = tx.update(grads, state, params)
-        every_copy = jax.lax.pcast(state.centre, "w", to="varying")
+        every_copy = _compat.pcast_varying(state.centre, "w")
         return optax.apply_updates(params, updates), state, every_copy
 
     fn = jax.jit(

@@ -1,9 +1,10 @@
-"""`python -m optax_accum.demo`: --help, every registered section at a small size, and
-the results table (method, accuracy, updates applied, gradients dropped, collectives,
-time)."""
+"""`python -m optax_accum.demo`: --help, argument checks, the device and extra checks,
+every registered section at a small size, the results table (at most 100 columns,
+with a legend) and the PNG of the accuracy curves."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,65 +16,134 @@ from optax_accum import demo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--steps", "12", "--batch", "8"]
-COLUMNS = ("section", "method", "accuracy", "updates", "dropped", "collectives", "time")
+HEAD = ["method", "acc.", "updates", "dropped", "all-red.", "s"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run_module(*args: str) -> subprocess.CompletedProcess:
+def _run_module(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "optax_accum.demo", *args],
-        cwd=ROOT,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
     )
 
 
-def _table(printed: str) -> list[str]:
-    """The table's lines: from the header (the last line naming every column) on."""
-    lines = printed.splitlines()
-    (start,) = [i for i, line in enumerate(lines) if line.split()[:3] == list(COLUMNS[:3])]
-    return lines[start:]
+def _blocks(printed: str) -> dict[str, list[str]]:
+    """The table's rows per section: the lines under each `[section]` heading's header."""
+    blocks, current = {}, None
+    for line in printed.splitlines():
+        if line.startswith("[") and "]" in line:
+            current = line[1 : line.index("]")]
+            blocks[current] = []
+        elif current is not None and line.split() == HEAD:
+            continue
+        elif current is not None and line.startswith("  ") and line.strip():
+            blocks[current].append(line)
+        else:
+            current = None
+    return blocks
 
 
-def test_help_lists_every_section_and_the_size_flags():
+def test_help_lists_every_section_and_the_flags():
     proc = _run_module("--help")
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--section", "--steps", "--batch", "--seed"):
+    for flag in ("--section", "--steps", "--batch", "--seed", "--plot"):
         assert flag in proc.stdout
     for name in demo.SECTIONS:
         assert name in proc.stdout
 
 
-def test_command_line_runs_one_section_and_prints_the_table():
-    proc = _run_module("--section", "accumulate", "--steps", "4", "--batch", "4")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    head, rule, *rows = _table(proc.stdout)
-    assert all(column in head for column in COLUMNS)
-    assert set(rule.replace(" ", "")) == {"-"}
-    assert rows and all(row.startswith("accumulate") for row in rows)
-
-
-def test_an_unknown_section_is_rejected(capsys):
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "-3"], "argument --steps: expected a positive integer, got -3"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+        (["--batch", "0"], "argument --batch: expected a positive integer, got 0"),
+        (["--batch", "two"], "argument --batch: expected a positive integer, got 'two'"),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+        (["--section", "no_such_section"], "argument --section: invalid choice"),
+    ],
+)
+def test_bad_arguments_get_a_usage_error(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        demo.main(["--section", "no_such_section"])
+        demo.main(args)
     assert exit_info.value.code == 2
-    assert "no_such_section" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m optax_accum.demo")
+    assert message in err
+
+
+def test_command_line_runs_one_section_prints_the_table_and_saves_the_plot(tmp_path):
+    proc = _run_module("--section", "accumulate", "--steps", "4", "--batch", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert list(_blocks(proc.stdout)) == ["accumulate"]
+    (row,) = _blocks(proc.stdout)["accumulate"]
+    method, accuracy, updates, dropped, all_reduces, seconds = row.strip().rsplit(None, 5)
+    assert method == "conditional_accumulator(adam, 4), 20% stale"
+    assert 0.0 <= float(accuracy) <= 1.0 and float(seconds) > 0
+    assert int(updates) + int(dropped) <= 4 and all_reduces == "-"  # one device
+    for word in ("acc.", "updates", "dropped", "all-red.", "s "):  # the legend
+        assert any(line.startswith(word) for line in lines), word
+    plot = tmp_path / "optax_accum_demo.png"
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    assert f"saved to {plot.name}" in proc.stdout
+
+
+def test_fewer_devices_than_a_section_needs_is_explained_not_run():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = _run_module("--section", "data_parallel", "--steps", "2", env=env)
+    assert proc.returncode == 1
+    assert "section data_parallel needs 8 devices, but JAX sees 2 (cpu)" in proc.stderr
+    assert "JAX_PLATFORMS=cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "[data_parallel]" not in proc.stdout  # no table row
+
+
+def test_missing_extra_names_the_install_command():
+    # As if scikit-learn were not installed: an import of it fails.
+    code = "import sys; sys.modules['sklearn'] = None; from optax_accum.demo import main; main([])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1
+    assert "optax_accum.demo needs scikit-learn" in proc.stderr
+    assert 'pip install "optax-accum[demo]"' in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_table_is_at_most_100_columns_and_a_too_long_method_is_an_error():
+    row = demo.Row("accumulate", "m", 0.5, 1, 0, None, 1.0)
+    assert max(len(line) for line in demo.format_table([row]).splitlines()) <= 100
+    with pytest.raises(ValueError, match="wider than 100 columns"):
+        demo.format_table([demo.Row("accumulate", "m" * 80, 0.5, 1, 0, None, 1.0)])
 
 
 @pytest.mark.parametrize("name", list(demo.SECTIONS))
-def test_section_runs_at_a_small_size(name, capsys):
+def test_section_runs_at_a_small_size(name, capsys, tmp_path):
     # As users run it: the suite's strict dtype promotion is for the library's own
     # code, and optax's optimizers need standard promotion.
+    plot = tmp_path / "curves.png"
     with jax.numpy_dtype_promotion("standard"):
-        rows = demo.main(["--section", name, *SMALL])
+        rows = demo.main(["--section", name, *SMALL, "--plot", str(plot)])
     assert rows
     for row in rows:
         assert row.section == name and row.method
         assert 0.0 <= row.accuracy <= 1.0
         assert row.updates >= 0 and row.dropped >= 0
         assert row.seconds > 0
-    head, _, *lines = _table(capsys.readouterr().out)
-    assert all(column in head for column in COLUMNS)
+        assert row.curve and row.curve[-1][1] == row.accuracy
+        assert all(0.0 <= acc <= 1.0 for _, acc in row.curve)
+    printed = capsys.readouterr().out
+    table = printed.split("\naccuracy curves saved to")[0]
+    assert max(len(line) for line in table.splitlines()) <= 100
+    lines = _blocks(printed)[name]
     assert len(lines) == len(rows)
     for row, line in zip(rows, lines, strict=True):
-        assert line.split()[0] == name and row.method in line
+        assert line.strip().startswith(row.method)
+        assert f"{row.accuracy:.3f}" in line
+    assert plot.read_bytes().startswith(PNG_MAGIC)

@@ -1,7 +1,9 @@
-"""The API docs: a Google-style docstring with a runnable example on every public name,
-and a Sphinx build of the API reference that emits no warning.
+"""The docs: a Google-style docstring with a runnable example on every public name; a
+Sphinx build of docs/ (guide, semantics, versions, API reference) without warnings;
+every Python block of the README and of docs/*.md runs and prints what its comment
+says; every link resolves to a file here or to an address confirmed to exist.
 
-The examples themselves run as doctests (pytest's --doctest-modules over optax_accum/).
+The docstring examples themselves run as doctests (pytest's --doctest-modules).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import jax
 import pytest
@@ -20,11 +23,13 @@ import pytest
 import optax_accum
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
-TF1_BLOCKS = [b for b in PYTHON_BLOCKS if b.startswith("# TF1")]
-EXAMPLES = [b for b in PYTHON_BLOCKS if not b.startswith("# TF1")]  # runnable
-COLAB_URL = "https://colab.research.google.com/github/optax-accum/optax_accum/blob/main/"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [
+    (page, i, block)
+    for page in PAGES
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+    if not block.startswith("# TF1")  # TensorFlow, shown for comparison
+]
 TF_ORIGINALS = (
     "tf.ConditionalAccumulator",
     "tf.sparse.SparseConditionalAccumulator",
@@ -32,6 +37,14 @@ TF_ORIGINALS = (
     "tf.contrib.opt.DropStaleGradientOptimizer",
     "tf.contrib.opt.AGNOptimizer",
 )
+# Every absolute address the docs, the metadata and the notebooks may link to, each
+# confirmed to exist. Add one here only after confirming it.
+CONFIRMED = {
+    "https://github.com/google-deepmind/optax",
+    "https://docs.jax.dev/en/latest/installation.html",
+    "http://www.apache.org/licenses/",  # LICENSE
+    "http://www.apache.org/licenses/LICENSE-2.0",  # LICENSE
+}
 
 
 def test_all_names_exist():
@@ -49,7 +62,7 @@ def test_public_name_has_a_docstring_with_a_runnable_example(name):
     assert ">>> " in example, f"{name}'s Example: section has no doctest"
 
 
-def test_sphinx_builds_the_api_reference_without_warnings(tmp_path):
+def test_sphinx_builds_the_docs_without_warnings(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", "docs", str(tmp_path)],
         cwd=ROOT,
@@ -61,31 +74,80 @@ def test_sphinx_builds_the_api_reference_without_warnings(tmp_path):
     api = (tmp_path / "api.html").read_text()
     undocumented = [n for n in optax_accum.__all__ if f'id="optax_accum.{n}"' not in api]
     assert not undocumented
+    for page in ("guide", "semantics", "versions"):
+        assert (tmp_path / f"{page}.html").exists(), page
 
 
-@pytest.mark.parametrize("index", range(len(EXAMPLES)))
-def test_readme_python_example_runs(index):
-    # As a user runs it: standard dtype promotion, a fresh namespace.
-    with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(EXAMPLES[index], f"README.md example {index}", "exec"), {})
+def _expected_output(block: str) -> str | None:
+    """The comment on the block's last `print(...)` line, if it has one."""
+    prints = [line for line in block.splitlines() if line.startswith("print(")]
+    if not prints or "  # " not in prints[-1]:
+        return None
+    return prints[-1].rsplit("  # ", 1)[1]
 
 
-def test_readme_pairs_each_tf_original_with_optax_accum_code():
+@pytest.mark.parametrize(
+    ("page", "index", "block"), BLOCKS, ids=[f"{p.name}-{i}" for p, i, _ in BLOCKS]
+)
+def test_python_block_runs_and_prints_what_it_says(page, index, block):
+    # As a user runs it: standard dtype promotion, a fresh namespace. The test session
+    # has 8 simulated CPU devices, as the multi-device blocks ask.
+    out = io.StringIO()
+    with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(out):
+        exec(compile(block, f"{page.name} python block {index}", "exec"), {})
+    expected = _expected_output(block)
+    if expected is not None:
+        printed = out.getvalue().strip().splitlines()[-1]
+        assert " ".join(printed.replace("[", " [ ").replace("]", " ] ").split()) == " ".join(
+            expected.replace("[", " [ ").replace("]", " ] ").split()
+        ), f"{page.name} block {index}: printed {printed!r}, its comment says {expected!r}"
+
+
+def test_readme_keeps_the_two_commands_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci}\n```" in readme
+    demo = ci.replace('".[test]"', '".[demo]"').split(" && .venv/bin/python -m pytest")[0]
+    assert f"{demo} && .venv/bin/python -m optax_accum.demo" in readme
+
+
+def test_guide_pairs_each_tf_original_with_optax_accum_code():
     tf_blocks = [
-        b for b in re.findall(r"```python\n(.*?)```", README, re.S) if b.startswith("# TF1")
+        b
+        for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs/guide.md").read_text(), re.S)
+        if b.startswith("# TF1")
     ]
     for name in TF_ORIGINALS:
         assert any(name in block for block in tf_blocks), name
+        assert name in (ROOT / "README.md").read_text(), name  # the migration table
 
 
-def test_readme_links_every_notebook_with_its_colab_badge():
-    notebooks = sorted((ROOT / "colab").glob("*.ipynb"))
-    assert notebooks
-    for path in notebooks:
-        assert f"](colab/{path.name})" in README, path.name
-        assert (
-            f"colab.research.google.com/github/optax-accum/optax_accum/blob/main/colab/{path.name}"
-            in README
-        )
-    for target in re.findall(r"\]\((?!https?://)([^)#]+)\)", README):
-        assert (ROOT / target).exists(), target
+def _addresses(text: str) -> set[str]:
+    return {u.rstrip(".,;") for u in re.findall(r"https?://[^\s)\]\"'>`]+", text)}
+
+
+def test_every_link_resolves_or_is_confirmed():
+    texts = {p: p.read_text() for p in [*PAGES, ROOT / "pyproject.toml", ROOT / "LICENSE"]}
+    texts |= {p: p.read_text() for p in (ROOT / "colab").glob("*.ipynb")}
+    texts[ROOT / "colab/make_notebooks.py"] = (ROOT / "colab/make_notebooks.py").read_text()
+    for path, text in texts.items():
+        unconfirmed = _addresses(text) - CONFIRMED
+        if path.name == "make_notebooks.py":  # the badge template, used once filled in
+            unconfirmed = {u for u in unconfirmed if "{" not in u} - {
+                "https://colab.research.google.com/assets/colab-badge.svg",
+                "https://github.com/",
+            }
+        assert not unconfirmed, f"{path.name}: {sorted(unconfirmed)}"
+    for page in PAGES:
+        for target in re.findall(r"\]\((?!https?://)([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_the_public_address_lives_in_one_place():
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    for path in [*PAGES, *(ROOT / "colab").glob("*.ipynb")]:
+        text = path.read_text()
+        assert "optax-accum/optax_accum" not in text, path.name
+        if "Repository" not in urls:  # not known yet: no link to it anywhere
+            assert "colab.research.google.com/github" not in text, path.name
+            assert "git+https://" not in text, path.name

@@ -56,7 +56,7 @@ def row_grad(x):
     return [0, 1], f32([[x, 0], [0, x]])
 
 
-# --------------------------------------------------------------------------- SEMANTICS vectors
+# -------------------------------------------------------------- docs/semantics.md vectors
 
 
 @pytest.mark.parametrize("make", [dense, sparse])

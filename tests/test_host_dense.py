@@ -31,7 +31,7 @@ def counters(acc):
     return acc.global_step, acc.num_accumulated(), acc.num_dropped, acc.num_nonfinite
 
 
-# --------------------------------------------------------------------------- SEMANTICS §1 vectors
+# ----------------------------------------------------------- docs/semantics.md §1 vectors
 
 
 def test_mean_of_two_matrices():

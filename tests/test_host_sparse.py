@@ -33,7 +33,7 @@ def state(acc):
     return acc.global_step, acc.num_accumulated(), acc.num_dropped, acc.num_nonfinite
 
 
-# --------------------------------------------------------------------------- SEMANTICS §2 vectors
+# ----------------------------------------------------------- docs/semantics.md §2 vectors
 
 
 @pytest.mark.parametrize(

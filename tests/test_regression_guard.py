@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax

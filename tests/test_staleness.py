@@ -1,4 +1,4 @@
-"""drop_stale_gradients: SEMANTICS.md §4's worker table, a NumPy model, traced
+"""drop_stale_gradients: docs/semantics.md §4's worker table, a NumPy model, traced
 staleness, the all-replicas rule under an axis, and bad input."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from optax_accum import (
     staleness_percentage,
 )
 
-# --------------------------------------------------------------------------- SEMANTICS §4
+# -------------------------------------------------------------------- docs/semantics.md §4
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""Digits data, a small Flax MLP, and the training helpers the demo sections share."""
+"""Digits data, a small Flax MLP, and the training helpers the demo sections share.
+
+The benchmarks have their own copy (benchmarks/digits.py): the demo is part of the
+installed package, the benchmarks are scripts in the repository.
+"""
 
 from __future__ import annotations
 
@@ -55,6 +59,12 @@ def batches(x: np.ndarray, y: np.ndarray, batch: int, seed: int):
     while True:
         idx = rng.integers(0, len(x), size=batch)
         yield x[idx], y[idx]
+
+
+def evaluate_now(i: int, steps: int, points: int = 20) -> bool:
+    """Whether step `i` (0-based) of `steps` is one of about `points` evaluation points,
+    the last step included."""
+    return (i + 1) % max(1, steps // points) == 0 or i + 1 == steps
 
 
 def progress(iterable: Any, desc: str, total: int | None = None) -> Any:

@@ -33,19 +33,23 @@ def run(sizes: Sizes) -> list[Row]:
 
     rng = np.random.default_rng(sizes.seed)
     data = _data.batches(x, y, sizes.batch, sizes.seed)
+    curve = []
     start = time.perf_counter()
-    for _ in _data.progress(range(sizes.steps), "accumulate: stale workers"):
+    for i in _data.progress(range(sizes.steps), "accumulate: stale workers"):
         xb, yb = next(data)
         lag = int(rng.random() < 0.2)  # one gradient in five was computed a step ago
         local_step = optax_accum.global_step(state) - lag
         params, state = step(params, state, jnp.asarray(xb), jnp.asarray(yb), local_step)
+        if _data.evaluate_now(i, sizes.steps):
+            curve.append((i + 1, _data.accuracy(model, params, xt, yt)))
     return [
         Row(
             section="accumulate",
             method="conditional_accumulator(adam, 4), 20% stale",
-            accuracy=_data.accuracy(model, params, xt, yt),
+            accuracy=curve[-1][1],
             updates=int(optax_accum.global_step(state)),
             dropped=int(state.num_dropped),
             seconds=time.perf_counter() - start,
+            curve=curve,
         )
     ]

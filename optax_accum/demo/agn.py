@@ -1,11 +1,12 @@
-"""Demo section and study core: AGN (local SGD) against synchronous data-parallel SGD.
+"""Demo section: AGN (local SGD) against synchronous data-parallel SGD.
 
 Eight workers each train on their own shard of digits and see the same examples in
 every method. Synchronous SGD (`cross_shard_optimizer`) all-reduces gradients every
-step; `agn` all-reduces once per `communication_period` steps. The table reports the
-centre's final test accuracy, the number of all-reduces and the bytes they carry;
-`benchmarks/agn.py` runs the same study at full size and plots accuracy against
-communication rounds.
+step; `agn` all-reduces once per `communication_period` steps: as TF does it, with the
+outer learning rate scaled by the period, and with DiLoCo's delta commit. The table
+reports the centre's final test accuracy and the number of all-reduces. The workers
+run on 8 devices with `jax.shard_map` when there are 8, else under `jax.vmap`.
+(`benchmarks/agn.py` runs a larger study of the same question.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _compat
 from optax_accum.demo import Row, Sizes, _data
 
 WORKERS = 8
@@ -45,42 +45,25 @@ class Method:
 
 
 def methods(lr: float = LEARNING_RATE) -> list[Method]:
-    """Synchronous SGD, then AGN as TF runs it, with a scaled outer step, and by delta."""
+    """Synchronous SGD, then AGN with period 4: TF's rule, a scaled outer step, DiLoCo."""
     sync = Method(
-        "sync SGD (cross_shard_optimizer)",
+        "sync SGD, cross_shard_optimizer(sgd)",
         lambda axis: optax_accum.cross_shard_optimizer(optax.sgd(lr), axis),
         model=lambda params, state: params,
         synced=lambda state: jnp.asarray(True),
     )
-    tf_default = [
+    return [
+        sync,
         Method(
-            f"agn P={p} (TF: outer = inner)",
-            lambda axis, p=p: optax_accum.agn(optax.sgd(lr), p, axis_name=axis),
-        )
-        for p in (1, 4, 16)
-    ]
-    scaled = [
-        Method(
-            f"agn P={p}, outer sgd({p}*lr)",
-            lambda axis, p=p: optax_accum.agn(
-                optax.sgd(lr), p, axis_name=axis, outer=optax.sgd(p * lr)
-            ),
-        )
-        for p in (4, 16)
-    ]
-    delta = [
-        Method(
-            "agn delta P=4, outer sgd(1) (paper)",
-            lambda axis: optax_accum.agn(optax.sgd(lr), 4, axis_name=axis, commit="delta"),
+            "agn(sgd, 4), TF: outer = inner",
+            lambda axis: optax_accum.agn(optax.sgd(lr), 4, axis_name=axis),
         ),
         Method(
-            "agn delta P=4, outer sgd(4) (model avg.)",
-            lambda axis: optax_accum.agn(
-                optax.sgd(lr), 4, axis_name=axis, commit="delta", outer=optax.sgd(4.0)
-            ),
+            "agn(sgd, 4), outer sgd(4 * lr)",
+            lambda axis: optax_accum.agn(optax.sgd(lr), 4, axis_name=axis, outer=optax.sgd(4 * lr)),
         ),
         Method(
-            "agn delta P=4, DiLoCo outer",
+            "agn(sgd, 4), delta commit, DiLoCo outer",
             lambda axis: optax_accum.agn(
                 optax.sgd(lr),
                 4,
@@ -90,7 +73,6 @@ def methods(lr: float = LEARNING_RATE) -> list[Method]:
             ),
         ),
     ]
-    return [sync, *tf_default, *scaled, *delta]
 
 
 @dataclasses.dataclass
@@ -142,26 +124,29 @@ def _worker_fn(method: Method, model: Any, x_test: Any, y_test: Any) -> Callable
 
 
 def _spmd(worker: Callable) -> Callable:
-    """Runs `worker` on 8 devices with shard_map if there are 8, else under vmap.
+    """Runs `worker` once per worker and returns worker 0's outputs.
 
-    Inputs after the first (the shared initial params) carry a leading worker axis;
-    every output comes back with one.
+    On 8 devices with `jax.shard_map` if there are 8, else under `jax.vmap`. The
+    inputs after the first (the shared initial params) carry a leading worker axis.
+    Every worker returns the same numbers (the centre, or synchronous SGD's params),
+    so under shard_map `pmax` types the outputs replica-invariant without changing them.
     """
     if jax.device_count() < WORKERS:
-        return jax.jit(jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name="w"))
+        mapped = jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name="w")
+        return jax.jit(lambda *args: jax.tree.map(lambda o: o[0], mapped(*args)))
     mesh = jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
 
-    def varying(x):
-        return x if "w" in _compat.varying_axes(x) else jax.lax.pcast(x, "w", to="varying")
+    def same_everywhere(o: jax.Array) -> jax.Array:
+        if o.dtype == jnp.bool_:
+            return jax.lax.pmax(o.astype(jnp.int32), "w").astype(jnp.bool_)
+        return jax.lax.pmax(o, "w")
 
     def per_device(params, *data):
-        out = worker(jax.tree.map(varying, params), *(d[0] for d in data))
-        return jax.tree.map(lambda o: varying(o)[None], out)
+        mine = jax.lax.pcast(params, "w", to="varying")  # each worker's own copy
+        return jax.tree.map(same_everywhere, worker(mine, *(d[0] for d in data)))
 
     return jax.jit(
-        jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P(), P("w"), P("w"), P("w")), out_specs=P("w")
-        )
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("w"), P("w"), P("w")), out_specs=P())
     )
 
 
@@ -184,13 +169,13 @@ def study(
         start = time.perf_counter()
         run = _spmd(_worker_fn(method, model, jnp.asarray(xt), jnp.asarray(yt)))
         synced, curve, accuracy, loss = jax.device_get(run(params, xs, ys, idx))
-        synced, curve = np.asarray(synced[0]), np.asarray(curve[0])
+        synced, curve = np.asarray(synced), np.asarray(curve)
         rounds = np.cumsum(synced)
         results.append(
             Result(
                 method=method.name,
-                accuracy=float(accuracy[0]),
-                loss=float(loss[0]),
+                accuracy=float(accuracy),
+                loss=float(loss),
                 all_reduces=int(rounds[-1]),
                 bytes=int(rounds[-1]) * payload,
                 rounds=rounds[synced].tolist(),
@@ -203,8 +188,8 @@ def study(
 
 
 def run(sizes: Sizes) -> list[Row]:
-    """The demo section: the study's table at the demo's size."""
-    steps = max(16, sizes.steps // 16 * 16)  # a whole number of rounds for every period
+    """The demo section: every method at the demo's size (whole rounds of 4 steps)."""
+    steps = max(4, sizes.steps // 4 * 4)
     results = study(dataclasses.replace(sizes, steps=steps, batch=min(sizes.batch, 16)))
     return [
         Row(
@@ -213,8 +198,9 @@ def run(sizes: Sizes) -> list[Row]:
             accuracy=r.accuracy,
             updates=r.all_reduces,
             dropped=0,
-            collectives=f"{r.all_reduces} all-reduce, {r.bytes / 1e6:.1f} MB",
+            all_reduces=r.all_reduces,
             seconds=r.seconds,
+            curve=list(zip(r.steps, r.curve, strict=True)),
         )
         for r in results
     ]

@@ -48,7 +48,7 @@ class EmbeddingBag(nn.Module):
         return nn.Dense(10, name="head")(pooled)
 
 
-def _train(sizes: Sizes, sparse: bool) -> tuple[float, Any, float]:
+def _train(sizes: Sizes, sparse: bool) -> tuple[list[tuple[int, float]], Any, float]:
     x, y, xt, yt = _data.digits(sizes.seed)
     model = EmbeddingBag()
     params = model.init(jax.random.key(sizes.seed), jnp.zeros((1, 64), jnp.int32))["params"]
@@ -82,35 +82,44 @@ def _train(sizes: Sizes, sparse: bool) -> tuple[float, Any, float]:
         updates, state = tx.update(grads, state, params)
         return apply(params, updates), state
 
+    test_ids, test_labels = jnp.asarray(tokens(xt)), jnp.asarray(yt)
+
+    @jax.jit
+    def accuracy(params):
+        logits = model.apply({"params": params}, test_ids)
+        return (jnp.argmax(logits, -1) == test_labels).mean()
+
     data = _data.batches(tokens(x), y, sizes.batch, sizes.seed)
+    curve = []
     start = time.perf_counter()
     label = "sparse" if sparse else "dense"
-    for _ in _data.progress(range(sizes.steps), f"sparse: embedding bag ({label})"):
+    for i in _data.progress(range(sizes.steps), f"sparse: embedding bag ({label})"):
         ids, labels = next(data)
         params, state = step(params, state, jnp.asarray(ids), jnp.asarray(labels))
-    logits = model.apply({"params": params}, jnp.asarray(tokens(xt)))
-    accuracy = float((jnp.argmax(logits, -1) == jnp.asarray(yt)).mean())
-    return accuracy, state, time.perf_counter() - start
+        if _data.evaluate_now(i, sizes.steps):
+            curve.append((i + 1, float(accuracy(params))))
+    return curve, state, time.perf_counter() - start
 
 
 def run(sizes: Sizes) -> list[Row]:
     rows = []
     for sparse in (True, False):
-        accuracy, state, seconds = _train(sizes, sparse)
+        curve, state, seconds = _train(sizes, sparse)
         dropped = int(state.num_dropped) + int(getattr(state, "num_overflowed", 0))
         method = (
-            "sparse_conditional_accumulator(sparse_sgd, 4): touched rows only"
+            "sparse_conditional_accumulator(sparse_sgd, 4)"
             if sparse
-            else "conditional_accumulator(sgd, 4): dense gradients (reference)"
+            else "conditional_accumulator(sgd, 4), dense reference"
         )
         rows.append(
             Row(
                 section="sparse",
                 method=method,
-                accuracy=accuracy,
+                accuracy=curve[-1][1],
                 updates=int(optax_accum.global_step(state)),
                 dropped=dropped,
                 seconds=seconds,
+                curve=curve,
             )
         )
     return rows
