@@ -60,6 +60,20 @@ def _check_dense_shape(dense_shape: Any) -> tuple[int, ...]:
     return shape
 
 
+def _check_leaf_kind(name: str, leaf: Any) -> None:
+    """TypeError for a Python list, tuple or number given as `indices` or `values`.
+
+    Such leaves would otherwise pass construction unchecked and fail later, deep inside
+    JAX. Other objects (arrays, tracers, `PartitionSpec` or sharding leaves of a spec
+    tree) are accepted.
+    """
+    if type(leaf) in (list, tuple) or isinstance(leaf, bool | int | float | complex):
+        raise TypeError(
+            f"IndexedSlices {name} must be an array (jax.Array or numpy.ndarray), got "
+            f"{type(leaf).__name__}; wrap it in jnp.asarray"
+        )
+
+
 def _check_index_dtype(indices: Any) -> None:
     """TypeError when indices have a floating dtype: the sign of a transform misuse."""
     dtype = getattr(indices, "dtype", None)
@@ -110,6 +124,8 @@ class IndexedSlices:
 
     def __init__(self, indices: Any, values: Any, dense_shape: Any) -> None:
         shape = _check_dense_shape(dense_shape)
+        _check_leaf_kind("indices", indices)
+        _check_leaf_kind("values", values)
         if _is_array_like(indices) and _is_array_like(values):
             _validate(indices, values, shape)
         self.indices = indices
@@ -256,10 +272,38 @@ def check_indices(x: IndexedSlices, *, what: str = "updates") -> None:
     _validate(x.indices, x.values, x.dense_shape)
 
 
+def in_range(indices: jax.Array, num_rows: int) -> jax.Array:
+    """Where `0 <= indices < num_rows`, exactly for every integer dtype.
+
+    The bound is compared in the indices' own dtype only when that dtype holds it
+    (as `uint8` does not hold 256), so no id wraps around.
+    """
+    dtype = jnp.result_type(indices)
+    info = jnp.iinfo(dtype)
+    if num_rows > info.max:
+        below = jnp.ones(jnp.shape(indices), bool)
+    else:
+        below = indices < np.asarray(num_rows, dtype)
+    return below & (indices >= np.asarray(0, dtype)) if info.min < 0 else below
+
+
+def row_ids(indices: jax.Array, num_rows: int) -> jax.Array:
+    """`indices` as int32 row ids of a `num_rows`-row table, every id outside
+    `[0, num_rows)` (negative, too large, or wider than int32) mapped to the padding
+    id `num_rows`."""
+    rows = jnp.asarray(indices).astype(jnp.int32)  # ids out of int32 range are masked
+    return jnp.where(in_range(indices, num_rows), rows, jnp.int32(num_rows))
+
+
+def num_out_of_range(indices: jax.Array, num_rows: int) -> jax.Array:
+    """int32: how many ids lie outside `[0, num_rows]` (the padding id is not counted)."""
+    return jnp.sum(~in_range(indices, num_rows + 1), dtype=jnp.int32)
+
+
 def scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
     """`target` plus the rows of `slices` (cast to `target`'s dtype); padding ignored."""
     values = slices.values.astype(target.dtype)
-    return target.at[slices.indices].add(values, mode="drop", wrap_negative_indices=False)
+    return target.at[row_ids(slices.indices, target.shape[0])].add(values, mode="drop")
 
 
 def check_against(param: Any, slices: IndexedSlices, where: str) -> None:

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import IndexedSlices, sparse_conditional_accumulator
+from optax_accum.sparse import DenseRows
 
 ROWS = 6  # table rows in the small tests; id 6 is padding
 
@@ -321,7 +322,7 @@ def test_dense_leaves_match_conditional_accumulator_exactly():
             assert su[k].dtype == du[k].dtype
             np.testing.assert_array_equal(su[k], du[k])
             np.testing.assert_array_equal(
-                s_box["state"].accumulator[k], d_box["state"].accumulator[k]
+                s_box["state"].accumulator[k].values, d_box["state"].accumulator[k]
             )
     assert int(s_box["state"].num_dropped) == int(d_box["state"].num_dropped) == 2
 
@@ -330,7 +331,7 @@ def test_default_marks_tall_matrices_sparse():
     tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4)
     state = tx.init({"emb": jnp.zeros((10, 2)), "kernel": jnp.zeros((4, 2)), "b": jnp.zeros(10)})
     kinds = {k: type(v).__name__ for k, v in state.accumulator.items()}
-    assert kinds == {"emb": "RowBuffer", "kernel": "ArrayImpl", "b": "ArrayImpl"}
+    assert kinds == {"emb": "RowBuffer", "kernel": "DenseRows", "b": "DenseRows"}
 
 
 # --------------------------------------------------------------------------- errors
@@ -462,10 +463,14 @@ def test_axis_name_on_eight_devices_matches_the_reference():
     )
     params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros((1,))}
     state = tx.init(params)
-    state = state._replace(accumulator={**state.accumulator, "d": jnp.zeros((n,))})
+    per_replica = DenseRows(jnp.zeros((n,)), jnp.zeros((n,), jnp.int32))
+    state = state._replace(accumulator={**state.accumulator, "d": per_replica})
     state_spec = jax.tree.map(lambda _: P(), state)
     state_spec = state_spec._replace(
-        accumulator={"e": jax.tree.map(lambda _: P(), state.accumulator["e"]), "d": P("i")}
+        accumulator={
+            "e": jax.tree.map(lambda _: P(), state.accumulator["e"]),
+            "d": DenseRows(P("i"), P("i")),
+        }
     )
     out_spec = {"e": IndexedSlices(P(), P(), (ROWS, 2)), "d": P()}
 
@@ -500,15 +505,17 @@ def test_axis_name_on_eight_devices_matches_the_reference():
     assert released >= 2 and ref.overflowed >= 1  # the data exercise both paths
 
 
-def test_slices_offered_to_a_dense_leaf_are_scatter_added():
-    """A dense leaf takes the dense meaning of an IndexedSlices: MEAN divides by count."""
-    tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=2, sparse=False)
+def test_slices_offered_to_a_dense_leaf_are_scatter_added_and_averaged_per_row():
+    """A dense leaf takes the dense meaning of an IndexedSlices, and MEAN divides each
+    row by the gradients that touched it, as a sparse leaf does (not by the count)."""
+    tx = sparse_conditional_accumulator(optax.identity(), 3, capacity=2, sparse=False)
     offer, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
-    offer(_g([1, 1, ROWS], [[1, 1], [2, 2], [7, 7]]))
-    u = offer(_g([0], [[4, 0]]))
+    offer(_g([1, 1, ROWS], [[1, 1], [2, 2], [7, 7]]))  # row 1 gets [3, 3], counted once
+    offer(_g([0, 1], [[4, 0], [1, 1]]))
+    u = offer(_g([0], [[2, 2]]))
     expected = np.zeros((ROWS, 2))
-    expected[0], expected[1] = [2, 0], [1.5, 1.5]
-    np.testing.assert_allclose(u, expected)
+    expected[0], expected[1] = [3, 1], [2, 2]
+    np.testing.assert_array_equal(u, expected)
 
 
 def test_update_does_no_table_sized_work():
