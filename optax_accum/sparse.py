@@ -342,7 +342,7 @@ def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSli
     Sorts the `capacity` row ids alone (no payload) and finds their slots in the map.
     """
     num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
-    used = jnp.arange(capacity) < buf.size
+    used = jnp.arange(capacity, dtype=jnp.int32) < buf.size
     ids = jnp.sort(jnp.where(used, buf.rows, num_rows))
     slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
     values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
