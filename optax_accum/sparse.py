@@ -367,9 +367,7 @@ def _gather_sums(
 ) -> tuple[jax.Array, jax.Array]:
     """Every replica's sorted rows, gathered, with each gradient's duplicates summed."""
     ids, values = (_gather(x, axis_name) for x in rows)
-    sums = functools.partial(
-        _segment_sums, dtype=buf.values.dtype, num_rows=buf.slot_of.shape[0]
-    )
+    sums = functools.partial(_segment_sums, dtype=buf.values.dtype, num_rows=buf.slot_of.shape[0])
     return jax.vmap(sums)(ids, values)
 
 
@@ -608,9 +606,7 @@ def sparse_conditional_accumulator(
             # Sorted here, on the replica's own rows; summed after the gather, in the
             # accumulator's dtype.
             slices = [s if s is None else _sorted_rows(*s) for s in slices]
-            stacked = [
-                _gather_sums(slices[i], accs[i], axis_name) for i in sparse_at
-            ]
+            stacked = [_gather_sums(slices[i], accs[i], axis_name) for i in sparse_at]
             for i, a in enumerate(accs):
                 if slices[i] is not None and not _is_buffer(a):
                     slices[i] = _segment_sums(

@@ -643,7 +643,9 @@ def test_ids_of_every_integer_dtype_are_exact(dtype, rows):
         state = tx.init(jnp.zeros((rows, 2)))
         update = jax.jit(tx.update)
         for as_dtype in (dtype, "int32"):
-            g = IndexedSlices(jnp.asarray(np.asarray(ids, as_dtype)), jnp.asarray(values), (rows, 2))
+            g = IndexedSlices(
+                jnp.asarray(np.asarray(ids, as_dtype)), jnp.asarray(values), (rows, 2)
+            )
             s = state
             for _ in range(2):
                 u, s = update(g, s)
@@ -744,7 +746,10 @@ def test_nested_vmap_with_a_tuple_axis_name():
 
     def make(axis_name):
         tx = sparse_conditional_accumulator(
-            optax.identity(), b * a, capacity=ROWS, sparse={"e": True, "d": False},
+            optax.identity(),
+            b * a,
+            capacity=ROWS,
+            sparse={"e": True, "d": False},
             axis_name=axis_name,
         )
 
@@ -755,9 +760,9 @@ def test_nested_vmap_with_a_tuple_axis_name():
         return replica
 
     flat = jax.jit(jax.vmap(make("r"), axis_name="r"))(ids, values, dense)
-    nested = jax.jit(
-        jax.vmap(jax.vmap(make(("b", "a")), axis_name="a"), axis_name="b")
-    )(*(x.reshape(b, a, *x.shape[1:]) for x in (ids, values, dense)))
+    nested = jax.jit(jax.vmap(jax.vmap(make(("b", "a")), axis_name="a"), axis_name="b"))(
+        *(x.reshape(b, a, *x.shape[1:]) for x in (ids, values, dense))
+    )
     nested = jax.tree.map(lambda x: x.reshape(b * a, *x.shape[2:]), nested)
     jax.tree.map(np.testing.assert_array_equal, nested, flat)
     u, state = flat
@@ -768,3 +773,19 @@ def test_nested_vmap_with_a_tuple_axis_name():
     assert got_ids == expected[0]
     np.testing.assert_allclose(got_vals, expected[1], rtol=1e-6)
     np.testing.assert_allclose(u["d"][0], dense.mean(0), rtol=1e-6)
+
+
+def test_sparse_mask_of_numpy_bools():
+    """A mask computed with NumPy (`np.bool_` leaves) works as one of Python bools."""
+    params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros(2)}
+    grads = {"e": _g([1], [[2.0, 2.0]]), "d": jnp.ones(2)}
+    results = []
+    for mask in ({"e": True, "d": False}, {"e": np.True_, "d": np.False_}):
+        for given_as in (mask, lambda p, mask=mask: mask):
+            tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse=given_as)
+            state = tx.init(params)
+            assert type(state.accumulator["e"]).__name__ == "RowBuffer"
+            u, _ = jax.jit(tx.update)(grads, state)
+            results.append(_dense_meaning(u["e"]))
+    for r in results:
+        np.testing.assert_array_equal(r, results[0])
