@@ -10,9 +10,8 @@ gradient's rows, never to the table's size. `sparse_sgd` updates only those rows
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
