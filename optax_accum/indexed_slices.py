@@ -331,7 +331,8 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
       updates: the same tree, with any leaf possibly an `IndexedSlices`.
 
     Returns:
-      The updated params, in the params' dtypes.
+      The updated params, in the params' dtypes (updates of another floating dtype
+      are added in the wider one, then cast back, as `optax.apply_updates` does).
 
     Raises:
       ValueError / TypeError: at trace time, when an `IndexedSlices` does not match its
@@ -363,7 +364,13 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
         if isinstance(u, IndexedSlices):
             check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
             return scatter_add(jnp.asarray(p), u)
-        return optax.apply_updates(p, u)
+        if p is None or u is None or not hasattr(u, "dtype") or u.dtype == jnp.result_type(p):
+            return optax.apply_updates(p, u)
+        # Mixed precision (float32 updates on bfloat16 params, say): added in the
+        # promoted dtype and cast back, as optax does, with the promotion spelled out.
+        with jax.numpy_dtype_promotion("standard"):
+            total = jnp.promote_types(jnp.result_type(p), u.dtype)
+        return (jnp.asarray(p).astype(total) + u.astype(total)).astype(jnp.result_type(p))
 
     return jax.tree_util.tree_map_with_path(apply, params, updates, is_leaf=leaf)
 

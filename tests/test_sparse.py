@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import lenient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -789,3 +790,144 @@ def test_sparse_mask_of_numpy_bools():
             results.append(_dense_meaning(u["e"]))
     for r in results:
         np.testing.assert_array_equal(r, results[0])
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+MIXED = [
+    (jnp.bfloat16, jnp.float32),
+    (jnp.float16, jnp.float32),
+    (jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.float16),
+]
+INNERS = {
+    "sgd": (lambda: optax_accum.sparse_sgd(0.5), lambda: optax.sgd(0.5)),
+    "adam": (
+        lambda: optax.chain(optax_accum.densify(), lenient(optax.adam(0.1))),
+        lambda: lenient(optax.adam(0.1)),
+    ),
+}
+
+
+def _mixed_grads(step, dtype):
+    """Sparse rows (a table, and a small table kept dense) and a dense leaf. Every
+    gradient touches the same rows, so the per-row mean is the mean of the window and
+    optax.MultiSteps on the dense gradients is an exact anchor."""
+    rng = np.random.default_rng(step)
+
+    def rows(n, shape):
+        values = jnp.asarray(rng.normal(size=(n, shape[1])), dtype)
+        return IndexedSlices(jnp.array([4, 1, 4][:n], jnp.int32), values, shape)
+
+    return {
+        "e": rows(3, (ROWS, 2)),
+        "k": rows(2, (3, 2)),
+        "b": jnp.asarray(rng.normal(size=2), dtype),
+    }
+
+
+@pytest.mark.parametrize("inner", sorted(INNERS))
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), MIXED, ids=lambda d: jnp.dtype(d).name)
+def test_mixed_precision_matches_multisteps(param_dtype, grad_dtype, inner):
+    """float32 gradients on low-precision params and the reverse: on every step, held
+    or released, the updates have the dtypes of the inner optimizer's own updates (as
+    optax.MultiSteps gives), and applying them keeps the params' dtypes."""
+    make_sparse_inner, make_dense_inner = INNERS[inner]
+    params = {
+        "e": jnp.asarray(np.linspace(-1, 1, 2 * ROWS).reshape(ROWS, 2), param_dtype),
+        "k": jnp.ones((3, 2), param_dtype),
+        "b": jnp.zeros(2, param_dtype),
+    }
+    tx = sparse_conditional_accumulator(
+        make_sparse_inner(), 2, capacity=4, sparse={"e": True, "k": False, "b": False}
+    )
+    multi = optax.MultiSteps(make_dense_inner(), 2)
+
+    def dense(g):
+        return jax.tree.map(
+            lambda x: x.to_dense() if isinstance(x, IndexedSlices) else x,
+            g,
+            is_leaf=lambda x: isinstance(x, IndexedSlices),
+        )
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax_accum.apply_updates(params, updates), state, updates
+
+    @jax.jit
+    def multi_step(params, state, grads):
+        with jax.numpy_dtype_promotion("standard"):  # optax's own code is not strict
+            updates, state = multi.update(dense(grads), state, params)
+            return optax.apply_updates(params, updates), state, updates
+
+    dense_inner = make_dense_inner()
+    own = jax.eval_shape(
+        dense_inner.update, dense(_mixed_grads(0, grad_dtype)), dense_inner.init(params), params
+    )[0]
+    ours, theirs = (params, tx.init(params)), (params, multi.init(params))
+    for i in range(4):
+        grads = _mixed_grads(i, grad_dtype)
+        before = ours[0]
+        *ours, u = step(*ours, grads)
+        *theirs, mu = multi_step(*theirs, grads)
+        got = jax.tree.map(
+            lambda x: x.values.dtype if isinstance(x, IndexedSlices) else x.dtype,
+            u,
+            is_leaf=lambda x: isinstance(x, IndexedSlices),
+        )
+        assert got == jax.tree.map(lambda x: x.dtype, own) == jax.tree.map(lambda x: x.dtype, mu)
+        assert jax.tree.map(lambda x: x.dtype, ours[0]) == jax.tree.map(lambda x: x.dtype, params)
+        if i % 2 == 0:  # held: nothing to apply
+            jax.tree.map(np.testing.assert_array_equal, ours[0], before)
+    for k in params:
+        np.testing.assert_allclose(
+            np.asarray(ours[0][k], np.float32),
+            np.asarray(theirs[0][k], np.float32),
+            rtol=2e-2,
+            atol=2e-2,
+        )
+    assert not np.array_equal(
+        np.asarray(ours[0]["e"], np.float32), np.asarray(params["e"], np.float32)
+    )
+
+
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), MIXED, ids=lambda d: jnp.dtype(d).name)
+def test_mixed_precision_on_the_axis_path(param_dtype, grad_dtype):
+    """The same under `axis_name` (two replicas offering the same gradients, so one
+    release per step equals one device releasing every second step)."""
+    params = {
+        "e": jnp.zeros((ROWS, 2), param_dtype),
+        "k": jnp.zeros((3, 2), param_dtype),
+        "b": jnp.zeros(2, param_dtype),
+    }
+    mask = {"e": True, "k": False, "b": False}
+    shared = sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(0.5), 2, capacity=4, sparse=mask, axis_name="r"
+    )
+    alone = sparse_conditional_accumulator(optax_accum.sparse_sgd(0.5), 2, capacity=4, sparse=mask)
+
+    def step(tx):
+        def run(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax_accum.apply_updates(params, updates), state
+
+        return run
+
+    pair = jax.tree.map(lambda x: jnp.stack([x, x]), (params, shared.init(params)))
+    pair_step = jax.jit(jax.vmap(step(shared), axis_name="r"))
+    single, single_step = (params, alone.init(params)), jax.jit(step(alone))
+    for i in range(2):
+        grads = _mixed_grads(i, grad_dtype)
+        pair = pair_step(*pair, jax.tree.map(lambda x: jnp.stack([x, x]), grads))
+        single = single_step(*single, grads)
+        single = single_step(*single, grads)
+    for k in params:
+        assert pair[0][k].dtype == param_dtype
+        np.testing.assert_array_equal(np.asarray(pair[0][k][0]), np.asarray(pair[0][k][1]))
+        np.testing.assert_allclose(
+            np.asarray(pair[0][k][0], np.float32),
+            np.asarray(single[0][k], np.float32),
+            rtol=1e-2,
+            atol=1e-2,
+        )
