@@ -294,11 +294,13 @@ def cross_shard(
     of a buffer n/k times the gradient's size holding each replica's value in its
     group's row (about 2(n-1)/k, versus 2(n-1)/n for a plain all-reduce). The
     permutes are chosen while k(k-1) < 2(n-1). Both give bit-identical results on
-    every member of a group. Under `jax.shard_map`, each replica's gradient must be
-    its own (varying over the axis): take it with respect to
-    `jax.lax.pcast(params, axis_name, to="varying")`, since `jax.grad` with respect
-    to replicated params already returns the sum over the axis (a replica-invariant
-    gradient is an error, not silently summed twice). When the devices can be laid
+    every member of a group. Nested `jax.vmap`s with a tuple `axis_name` (e.g.
+    `("b", "a")`) cannot permute over several names, so there every value is
+    gathered and each group's added in the same member order: the same bits. Under
+    `jax.shard_map`, each replica's gradient must be its own (varying over the axis):
+    take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`, since
+    `jax.grad` with respect to replicated params already returns the sum over the
+    axis (a replica-invariant gradient is an error, not silently summed twice). When the devices can be laid
     out by group, a mesh from `optax_accum.replica_group_mesh` turns the groups into
     a mesh axis and the reduction into a plain all-reduce over it: the fast path on
     a pod.

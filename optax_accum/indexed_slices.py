@@ -95,9 +95,10 @@ class IndexedSlices:
     consumer; by convention padding uses `dense_shape[0]`. Repeated indices add up.
     Unlike TF, negative indices are never wrapped around: they are padding too.
 
-    When both `indices` and `values` are arrays (or tracers), the constructor checks
-    that `indices` is an integer vector, that `values` has one row per index, and that
-    each row has the shape `dense_shape[1:]`. Pytree operations (`jax.tree.map`,
+    `indices` and `values` must not be Python lists, tuples or numbers (a TypeError).
+    When both are arrays (or tracers), the constructor checks that `indices` is an
+    integer vector, that `values` has one row per index, and that each row has the
+    shape `dense_shape[1:]`. Pytree operations (`jax.tree.map`,
     `jax.jit`, `jax.vmap`) rebuild the node without these checks, so leaves may be
     anything there, except that floating-point indices are refused (see the module
     docstring: that is an optax transform applied to raw slices).
@@ -106,7 +107,8 @@ class IndexedSlices:
     whether to touch the indices.
 
     Attributes:
-      indices: int vector `[nnz]` of row ids.
+      indices: vector `[nnz]` of row ids, of any integer dtype (ids are compared with
+        the row count exactly, so a uint8 255 is row 255 of a 300-row table).
       values: array `[nnz, *dense_shape[1:]]`, the rows.
       dense_shape: tuple of ints, the shape of the dense tensor.
 

@@ -477,33 +477,46 @@ def sparse_conditional_accumulator(
     Sparse leaves (chosen by `sparse`) take `IndexedSlices` gradients. Their
     aggregate is per row: SUM adds each row, MEAN divides each row by the number of
     accepted gradients that touched it (not by `count`). Duplicate ids within one
-    gradient are summed and count once; ids outside `[0, rows)` are padding and ignored.
-    Each sparse leaf holds at most `capacity` distinct rows: a gradient that would
-    exceed it in any leaf is rejected whole and counted in `num_overflowed`, never cut.
-    The release is an `IndexedSlices` with sorted, unique row ids, padded to `capacity`
-    with the id `rows`. Dense leaves in the same tree accumulate exactly as in
-    `conditional_accumulator`; an `IndexedSlices` offered to a dense leaf (a small
-    embedding table, say) is scatter-added there and then treated as dense.
+    gradient are summed and count once; ids (of any integer dtype) outside `[0, rows)`
+    are padding and ignored. Each sparse leaf holds at most `capacity` distinct rows:
+    a gradient that would exceed it in any leaf is rejected whole and counted in
+    `num_overflowed`, never cut. The release is an `IndexedSlices` with sorted, unique
+    row ids, padded to `capacity` with the id `rows`.
+
+    Dense leaves keep a running sum and a count per row (`DenseRows`). A dense
+    gradient touches every row, so dense gradients accumulate exactly as in
+    `conditional_accumulator`. An `IndexedSlices` offered to a dense leaf (a small
+    embedding table, say) is scatter-added there, and MEAN divides each row by the
+    gradients that touched it, as for a sparse leaf; the release is a dense array. So
+    a table releases the same numbers whether `capacity` keeps it sparse or not.
 
     `inner` sees the released tree: use `sparse_sgd` to update only the touched rows, or
     `optax.chain(densify(), any_optimizer)` for a dense optimizer (which then does
     table-sized work on releasing steps only). Apply the updates with
     `optax_accum.apply_updates`. Never hand raw `IndexedSlices` to optax's element-wise
     transforms: they would change the indices too (floating indices raise a TypeError).
+    With mixed precision (float32 gradients on bfloat16 params, say), the updates
+    have the dtypes of `inner`'s own updates, held steps included.
 
     With `axis_name`, the replicas of that axis share one accumulator: every step the
     replicas' sparse gradients are gathered and inserted in replica order (so every
     replica holds the same rows, and overflow is decided the same everywhere), while
-    dense leaves are summed across replicas on releasing steps only.
+    dense leaves are summed across replicas on releasing steps only. There, each
+    gradient's duplicate ids are summed in an order fixed by the ids and values, so
+    results are the same bits on every replica and in every run, on GPUs too, whatever
+    order the rows arrive in. (On one device, duplicates are added by a scatter, in
+    the order the backend chooses; GPUs do not fix it.)
 
     Cost: an update does a few gathers and scatters over the gradient's rows (no sort;
     the row-to-slot map is updated in place when the state is donated); a release
     sorts the `capacity` row ids and resets only a counter. Nothing scales with the
-    table, except the map's memory (4 bytes per table row).
+    table, except the map's memory (4 bytes per table row). With `axis_name`, each
+    replica also sorts its own gradient's rows every step.
 
     Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
-    keeps duplicates apart); out-of-range ids are ignored instead of raising (values
-    cannot raise inside jit); the release is padded to `capacity`.
+    keeps duplicates apart); out-of-range ids are ignored and counted in
+    `num_out_of_range` instead of raising (values cannot raise inside jit); the
+    release is padded to `capacity`.
 
     Args:
       inner: the optimizer that transforms each released aggregate.
@@ -513,9 +526,10 @@ def sparse_conditional_accumulator(
       reduction: "mean" (default) or "sum", in any case.
       axis_name: optional name (or tuple of names) of a mapped axis whose replicas share
         the accumulator.
-      sparse: which param leaves are sparse: a tree of bools shaped like the params, or
-        a function of the params returning one. Default: every leaf of rank >= 2 with
-        more rows than `capacity` (an embedding table).
+      sparse: which param leaves are sparse: a tree of bools (Python or NumPy) shaped
+        like the params, or a function of the params returning one. Default: every
+        leaf of rank >= 2 with more rows than `capacity` (an embedding table). A sparse
+        leaf must have at least one row.
       skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped and counted
         in `num_nonfinite`; by default it is accumulated as given, as TF does.
 
@@ -524,7 +538,8 @@ def sparse_conditional_accumulator(
       `SparseConditionalAccumulatorState`.
 
     Raises:
-      TypeError / ValueError: for a bad argument, naming it; at trace time, for
+      TypeError / ValueError: for a bad argument, naming it; at `init`, for a bad
+        `sparse` tree or a sparse leaf without rows; at trace time, for
         gradients whose structure, kinds (sparse or dense), shapes or dtypes do not
         match, and for a bad `local_step`.
 
@@ -738,6 +753,7 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
 
 
 __all__ = [
+    "DenseRows",
     "RowBuffer",
     "SparseConditionalAccumulatorState",
     "sparse_conditional_accumulator",
