@@ -300,10 +300,10 @@ def cross_shard(
     `jax.shard_map`, each replica's gradient must be its own (varying over the axis):
     take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`, since
     `jax.grad` with respect to replicated params already returns the sum over the
-    axis (a replica-invariant gradient is an error, not silently summed twice). When the devices can be laid
-    out by group, a mesh from `optax_accum.replica_group_mesh` turns the groups into
-    a mesh axis and the reduction into a plain all-reduce over it: the fast path on
-    a pod.
+    axis (a replica-invariant gradient is an error, not silently summed twice).
+    When the devices can be laid out by group, a mesh from
+    `optax_accum.replica_group_mesh` turns the groups into a mesh axis and the
+    reduction into a plain all-reduce over it: the fast path on a pod.
 
     Differences from TF: TF scales the loss by 1/num_shards and sums the gradients;
     this averages the gradients themselves (same numbers; it also holds for gradients
