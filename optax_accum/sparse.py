@@ -10,7 +10,6 @@ gradient's rows, never to the table's size. `sparse_sgd` updates only those rows
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -361,15 +360,6 @@ def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseR
     return jax.tree.map(lambda x: jnp.where(emit, jnp.zeros((), x.dtype), x), acc)
 
 
-def _gather_sums(
-    rows: tuple[jax.Array, jax.Array], buf: RowBuffer, axis_name: Any
-) -> tuple[jax.Array, jax.Array]:
-    """Every replica's sorted rows, gathered, with each gradient's duplicates summed."""
-    ids, values = (_gather(x, axis_name) for x in rows)
-    sums = functools.partial(_segment_sums, dtype=buf.values.dtype, num_rows=buf.slot_of.shape[0])
-    return jax.vmap(sums)(ids, values)
-
-
 def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
     """All replicas' `x`, stacked; typed replica-invariant under `jax.shard_map`.
 
@@ -382,30 +372,36 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
 # --------------------------------------------------------------------------- duplicates
 
 
-def _sorted_rows(rows: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One gradient's rows in a canonical order: by row id, and within each row id each
-    column's values in increasing order (the columns of a row id trade values among
-    its duplicates only, so every row id's sums are unchanged). The same (id, row)
-    pairs in any order give the same arrays."""
-    flat = values.reshape(rows.shape[0], -1)
-    if flat.size:
-        keys = jnp.broadcast_to(rows[:, None], flat.shape)
-        _, flat = lax.sort((keys, flat), dimension=0, num_keys=2)
-    return jnp.sort(rows), flat.reshape(values.shape)
+def _row_hash(flat: jax.Array) -> jax.Array:
+    """uint32 `[n]`: a hash of each row's bits (murmur3's finaliser on every element,
+    salted by its column, summed), so that equal rows hash equally."""
+    bits = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.uint32)
+    column = jnp.arange(flat.shape[1], dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    x = bits ^ column
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(x ^ (x >> 16), axis=1, dtype=jnp.uint32)
 
 
-def _segment_sums(
+def _combined(
     rows: jax.Array, values: jax.Array, *, dtype: Any, num_rows: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Sums each run of equal ids of a `_sorted_rows` gradient, in `dtype`.
+    """One gradient with its duplicate ids summed in `dtype`, in a fixed order.
 
-    A segmented scan adds every run in one fixed order (no scatter adds duplicates, so
-    no backend can reorder them); the run's total lands on its last row, and the
-    run's other rows become padding with zero values. The ids come out unique.
+    The rows are sorted by id, and the duplicates of an id by a hash of their values
+    (ties, which only equal rows or a 32-bit hash collision give, by position): the
+    same (id, row) pairs in any order come out in the same order. A segmented scan
+    then adds every run of an id in that order (no scatter adds duplicates, so no
+    backend can reorder them); the run's total lands on its last row, and its other
+    rows become padding with zero values. The ids come out unique.
     """
-    flat = values.reshape(rows.shape[0], -1).astype(dtype)
-    if not rows.shape[0]:
+    n = rows.shape[0]
+    flat = values.reshape(n, -1).astype(dtype)
+    if not n:
         return rows, flat.reshape(values.shape)
+    position = jnp.arange(n, dtype=jnp.int32)
+    rows, _, order = lax.sort((rows, _row_hash(flat), position), num_keys=2)
+    flat = flat[order]
     boundary = rows[1:] != rows[:-1]
     first = jnp.concatenate([jnp.ones((1,), bool), boundary])
     last = jnp.concatenate([boundary, jnp.ones((1,), bool)])
@@ -615,17 +611,14 @@ def sparse_conditional_accumulator(
         sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
         if axis_name is not None:
             _common.require_bound_axis(axis_name)
-            # Duplicate ids are summed in a fixed order, so that every replica (and
-            # every run) gets the same bits whatever order a scatter would add them in.
-            # Sorted here, on the replica's own rows; summed after the gather, in the
-            # accumulator's dtype.
-            slices = [s if s is None else _sorted_rows(*s) for s in slices]
-            stacked = [_gather_sums(slices[i], accs[i], axis_name) for i in sparse_at]
-            for i, a in enumerate(accs):
-                if slices[i] is not None and not _is_buffer(a):
-                    slices[i] = _segment_sums(
-                        *slices[i], dtype=a.values.dtype, num_rows=_num_rows(a)
-                    )
+            # Each replica sums its own gradient's duplicate ids in a fixed order, so
+            # every replica (and every run) gets the same bits whatever order a scatter
+            # would add them in. Gathered in the gradient's dtype.
+            for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
+                if slices[i] is not None:
+                    ids, sums = _combined(*slices[i], dtype=a.values.dtype, num_rows=_num_rows(a))
+                    slices[i] = (ids, sums.astype(g.values.dtype) if _is_buffer(a) else sums)
+            stacked = [tuple(_gather(x, axis_name) for x in slices[i]) for i in sparse_at]
             me = lax.axis_index(axis_name)
             offers = _gather(offered, axis_name)
         else:
