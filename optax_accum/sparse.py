@@ -498,16 +498,18 @@ def sparse_conditional_accumulator(
     replicas' sparse gradients are gathered and inserted in replica order (so every
     replica holds the same rows, and overflow is decided the same everywhere), while
     dense leaves are summed across replicas on releasing steps only. There, each
-    gradient's duplicate ids are summed in an order fixed by the ids and values, so
-    results are the same bits on every replica and in every run, on GPUs too, whatever
-    order the rows arrive in. (On one device, duplicates are added by a scatter, in
-    the order the backend chooses; GPUs do not fix it.)
+    replica first sums its gradient's duplicate ids, in an order fixed by the ids and
+    the rows' values, so results are the same bits on every replica and in every
+    run, on GPUs too, whatever order the rows arrive in (barring a 32-bit hash
+    collision between two different rows of one id); the sums travel in the
+    gradient's dtype. (On one device, duplicates are added by a scatter, in the order
+    the backend chooses; GPUs do not fix it.)
 
     Cost: an update does a few gathers and scatters over the gradient's rows (no sort;
     the row-to-slot map is updated in place when the state is donated); a release
     sorts the `capacity` row ids and resets only a counter. Nothing scales with the
     table, except the map's memory (4 bytes per table row). With `axis_name`, each
-    replica also sorts its own gradient's rows every step.
+    replica also sorts its own gradient's row ids every step.
 
     Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
     keeps duplicates apart); out-of-range ids are ignored and counted in
