@@ -96,6 +96,41 @@ def check_group_assignment_size(groups: Groups, axis_name: Any) -> None:
         )
 
 
+# --------------------------------------------------------------------------- gathers
+
+
+def _names(axis_name: Any) -> tuple:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _under_vmap(axis_name: Any) -> bool:
+    """Whether a tuple `axis_name` names an axis bound by `jax.vmap`, whose batched
+    `all_gather` and `ppermute` reject several names at once; the other axes
+    (`jax.shard_map`, `jax.pmap`) are manual axes of the abstract mesh."""
+    names = _names(axis_name)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return len(names) > 1 and not set(names) <= manual
+
+
+def all_gather(x: jax.Array, axis_name: Any, *, invariant: bool = False) -> jax.Array:
+    """Every replica's `x`, stacked along a new leading axis in replica order.
+
+    For a tuple of names the order is row-major, as `lax.axis_index` numbers the
+    replicas. Under `jax.vmap` a tuple is gathered one name at a time, the last (minor)
+    name first. With `invariant`, the stack is typed replica-invariant under
+    `jax.shard_map` (it is the same on every replica).
+    """
+    if _under_vmap(axis_name):
+        names = _names(axis_name)
+        for name in reversed(names):
+            x = all_gather(x, name, invariant=invariant)
+        return x.reshape((-1, *x.shape[len(names) :]))
+    names = frozenset(_names(axis_name))
+    if invariant and names <= set(jax.sharding.get_abstract_mesh().manual_axes):
+        return _compat.all_gather_invariant(_compat.make_varying(x, names), axis_name)
+    return lax.all_gather(x, axis_name)
+
+
 # --------------------------------------------------------------------------- group sums
 
 
@@ -145,6 +180,20 @@ def _permute_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Arra
     return total
 
 
+def _gathered_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
+    """`_permute_group_sum` for a tuple of `jax.vmap` axes, which cannot be permuted:
+    every value gathered, the group's added in its member order (the same bits)."""
+    group_of, _ = _group_tables(groups)
+    members = jnp.asarray(np.asarray(groups, np.int32))[
+        jnp.asarray(group_of)[lax.axis_index(axis_name)]
+    ]
+    values = all_gather(x, axis_name)[members]
+    total = values[0]
+    for m in range(1, len(groups[0])):
+        total = total + values[m]
+    return total
+
+
 def _exact_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
     """The group sum without `axis_index_groups`, by the cheaper of the two methods.
 
@@ -154,6 +203,8 @@ def _exact_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
     """
     n, k = sum(len(g) for g in groups), len(groups[0])
     if k * (k - 1) < 2 * (n - 1):
+        if _under_vmap(axis_name):
+            return _gathered_group_sum(x, axis_name, groups)
         return _permute_group_sum(x, axis_name, groups)
     return _one_hot_group_sum(x, axis_name, groups)
 
@@ -243,14 +294,16 @@ def cross_shard(
     of a buffer n/k times the gradient's size holding each replica's value in its
     group's row (about 2(n-1)/k, versus 2(n-1)/n for a plain all-reduce). The
     permutes are chosen while k(k-1) < 2(n-1). Both give bit-identical results on
-    every member of a group. Under `jax.shard_map`, each replica's gradient must be
-    its own (varying over the axis): take it with respect to
-    `jax.lax.pcast(params, axis_name, to="varying")`, since `jax.grad` with respect
-    to replicated params already returns the sum over the axis (a replica-invariant
-    gradient is an error, not silently summed twice). When the devices can be laid
-    out by group, a mesh from `optax_accum.replica_group_mesh` turns the groups into
-    a mesh axis and the reduction into a plain all-reduce over it: the fast path on
-    a pod.
+    every member of a group. Nested `jax.vmap`s with a tuple `axis_name` (e.g.
+    `("b", "a")`) cannot permute over several names, so there every value is
+    gathered and each group's added in the same member order: the same bits. Under
+    `jax.shard_map`, each replica's gradient must be its own (varying over the axis):
+    take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`, since
+    `jax.grad` with respect to replicated params already returns the sum over the
+    axis (a replica-invariant gradient is an error, not silently summed twice).
+    When the devices can be laid out by group, a mesh from
+    `optax_accum.replica_group_mesh` turns the groups into a mesh axis and the
+    reduction into a plain all-reduce over it: the fast path on a pod.
 
     Differences from TF: TF scales the loss by 1/num_shards and sums the gradients;
     this averages the gradients themselves (same numbers; it also holds for gradients

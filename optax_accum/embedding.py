@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from optax_accum import _common
-from optax_accum.indexed_slices import IndexedSlices
+from optax_accum.indexed_slices import IndexedSlices, row_ids
 
 
 def _table_paths(loss_fn: Callable, params: Any, args: tuple, kwargs: dict) -> list:
@@ -75,7 +75,8 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
     through `attend` (tied output embeddings) raises a ValueError, and one read in
     any other way (e.g. `self.embed.embedding @ x`) would get no gradient for that use,
     so do not use this helper for such models. Ids outside the table give NaN rows in
-    the forward pass, as `nn.Embed` does, and are padding in the gradient.
+    the forward pass, as `nn.Embed` does, and are padding in the gradient (the id
+    `rows`); ids of any integer dtype are returned as int32 row ids.
 
     Args:
       loss_fn: `loss_fn(params, *args, **kwargs) -> loss` (or `(loss, aux)`).
@@ -141,7 +142,8 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
         for path in tables:
             table = by_path[path]
             mine = [k for k, (p, _) in enumerate(calls) if p == path]
-            ids = jnp.concatenate([jnp.ravel(looked_up[k]) for k in mine]).astype(jnp.int32)
+            ids = jnp.concatenate([jnp.ravel(looked_up[k]) for k in mine])
+            ids = row_ids(ids, jnp.shape(table)[0])  # exact for every id dtype
             rows = jnp.concatenate(
                 [delta_grads[k].reshape((-1, *jnp.shape(table)[1:])) for k in mine]
             )

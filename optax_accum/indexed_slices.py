@@ -60,6 +60,20 @@ def _check_dense_shape(dense_shape: Any) -> tuple[int, ...]:
     return shape
 
 
+def _check_leaf_kind(name: str, leaf: Any) -> None:
+    """TypeError for a Python list, tuple or number given as `indices` or `values`.
+
+    Such leaves would otherwise pass construction unchecked and fail later, deep inside
+    JAX. Other objects (arrays, tracers, `PartitionSpec` or sharding leaves of a spec
+    tree) are accepted.
+    """
+    if type(leaf) in (list, tuple) or isinstance(leaf, bool | int | float | complex):
+        raise TypeError(
+            f"IndexedSlices {name} must be an array (jax.Array or numpy.ndarray), got "
+            f"{type(leaf).__name__}; wrap it in jnp.asarray"
+        )
+
+
 def _check_index_dtype(indices: Any) -> None:
     """TypeError when indices have a floating dtype: the sign of a transform misuse."""
     dtype = getattr(indices, "dtype", None)
@@ -81,9 +95,10 @@ class IndexedSlices:
     consumer; by convention padding uses `dense_shape[0]`. Repeated indices add up.
     Unlike TF, negative indices are never wrapped around: they are padding too.
 
-    When both `indices` and `values` are arrays (or tracers), the constructor checks
-    that `indices` is an integer vector, that `values` has one row per index, and that
-    each row has the shape `dense_shape[1:]`. Pytree operations (`jax.tree.map`,
+    `indices` and `values` must not be Python lists, tuples or numbers (a TypeError).
+    When both are arrays (or tracers), the constructor checks that `indices` is an
+    integer vector, that `values` has one row per index, and that each row has the
+    shape `dense_shape[1:]`. Pytree operations (`jax.tree.map`,
     `jax.jit`, `jax.vmap`) rebuild the node without these checks, so leaves may be
     anything there, except that floating-point indices are refused (see the module
     docstring: that is an optax transform applied to raw slices).
@@ -92,7 +107,8 @@ class IndexedSlices:
     whether to touch the indices.
 
     Attributes:
-      indices: int vector `[nnz]` of row ids.
+      indices: vector `[nnz]` of row ids, of any integer dtype (ids are compared with
+        the row count exactly, so a uint8 255 is row 255 of a 300-row table).
       values: array `[nnz, *dense_shape[1:]]`, the rows.
       dense_shape: tuple of ints, the shape of the dense tensor.
 
@@ -110,6 +126,8 @@ class IndexedSlices:
 
     def __init__(self, indices: Any, values: Any, dense_shape: Any) -> None:
         shape = _check_dense_shape(dense_shape)
+        _check_leaf_kind("indices", indices)
+        _check_leaf_kind("values", values)
         if _is_array_like(indices) and _is_array_like(values):
             _validate(indices, values, shape)
         self.indices = indices
@@ -256,10 +274,38 @@ def check_indices(x: IndexedSlices, *, what: str = "updates") -> None:
     _validate(x.indices, x.values, x.dense_shape)
 
 
+def in_range(indices: jax.Array, num_rows: int) -> jax.Array:
+    """Where `0 <= indices < num_rows`, exactly for every integer dtype.
+
+    The bound is compared in the indices' own dtype only when that dtype holds it
+    (as `uint8` does not hold 256), so no id wraps around.
+    """
+    dtype = jnp.result_type(indices)
+    info = jnp.iinfo(dtype)
+    if num_rows > info.max:
+        below = jnp.ones(jnp.shape(indices), bool)
+    else:
+        below = indices < np.asarray(num_rows, dtype)
+    return below & (indices >= np.asarray(0, dtype)) if info.min < 0 else below
+
+
+def row_ids(indices: jax.Array, num_rows: int) -> jax.Array:
+    """`indices` as int32 row ids of a `num_rows`-row table, every id outside
+    `[0, num_rows)` (negative, too large, or wider than int32) mapped to the padding
+    id `num_rows`."""
+    rows = jnp.asarray(indices).astype(jnp.int32)  # ids out of int32 range are masked
+    return jnp.where(in_range(indices, num_rows), rows, jnp.int32(num_rows))
+
+
+def num_out_of_range(indices: jax.Array, num_rows: int) -> jax.Array:
+    """int32: how many ids lie outside `[0, num_rows]` (the padding id is not counted)."""
+    return jnp.sum(~in_range(indices, num_rows + 1), dtype=jnp.int32)
+
+
 def scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
     """`target` plus the rows of `slices` (cast to `target`'s dtype); padding ignored."""
     values = slices.values.astype(target.dtype)
-    return target.at[slices.indices].add(values, mode="drop", wrap_negative_indices=False)
+    return target.at[row_ids(slices.indices, target.shape[0])].add(values, mode="drop")
 
 
 def check_against(param: Any, slices: IndexedSlices, where: str) -> None:
@@ -287,7 +333,8 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
       updates: the same tree, with any leaf possibly an `IndexedSlices`.
 
     Returns:
-      The updated params, in the params' dtypes.
+      The updated params, in the params' dtypes (updates of another floating dtype
+      are added in the wider one, then cast back, as `optax.apply_updates` does).
 
     Raises:
       ValueError / TypeError: at trace time, when an `IndexedSlices` does not match its
@@ -319,7 +366,13 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
         if isinstance(u, IndexedSlices):
             check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
             return scatter_add(jnp.asarray(p), u)
-        return optax.apply_updates(p, u)
+        if p is None or u is None or not hasattr(u, "dtype") or u.dtype == jnp.result_type(p):
+            return optax.apply_updates(p, u)
+        # Mixed precision (float32 updates on bfloat16 params, say): added in the
+        # promoted dtype and cast back, as optax does, with the promotion spelled out.
+        with jax.numpy_dtype_promotion("standard"):
+            total = jnp.promote_types(jnp.result_type(p), u.dtype)
+        return (jnp.asarray(p).astype(total) + u.astype(total)).astype(jnp.result_type(p))
 
     return jax.tree_util.tree_map_with_path(apply, params, updates, is_leaf=leaf)
 

@@ -14,16 +14,20 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _common, _compat
+from optax_accum import _branch, _common
 from optax_accum.accumulator import NumRequired, _num_required_fn
+from optax_accum.cross_shard import all_gather
 from optax_accum.indexed_slices import (
     IndexedSlices,
     check_indices,
+    in_range,
     is_indexed_slices,
-    scatter_add,
+    num_out_of_range,
+    row_ids,
 )
 
 
@@ -48,6 +52,23 @@ class RowBuffer(NamedTuple):
     slot_of: jax.Array
 
 
+class DenseRows(NamedTuple):
+    """One dense leaf's running sum, and how many accepted gradients touched each row.
+
+    A dense gradient touches every row; an `IndexedSlices` gradient offered to a dense
+    leaf touches its distinct row ids. MEAN divides each row by its count, so a row's
+    mean does not depend on whether its leaf is kept sparse or dense.
+
+    Attributes:
+      values: the sum of the accepted gradients, shaped like the param, in the
+        accumulator's dtype (float32 for float16 and bfloat16 params).
+      touches: int32 `[rows]` (a scalar for a scalar param), the count of each row.
+    """
+
+    values: jax.Array
+    touches: jax.Array
+
+
 class SparseConditionalAccumulatorState(NamedTuple):
     """State of `sparse_conditional_accumulator`.
 
@@ -58,11 +79,12 @@ class SparseConditionalAccumulatorState(NamedTuple):
       num_nonfinite: int32, gradients skipped for a NaN or Inf (`skip_nonfinite`).
       num_overflowed: int32, gradients rejected because a sparse leaf would have held
         more than `capacity` distinct rows.
-      num_out_of_range: int32, rows of accepted gradients whose id lay outside
-        `[0, num_rows]` and were ignored (the padding id `num_rows` is not counted).
+      num_out_of_range: int32, rows of accepted `IndexedSlices` gradients (for sparse
+        and dense leaves alike) whose id lay outside `[0, num_rows]` and were ignored
+        (the padding id `num_rows` is not counted).
       emitted: bool, whether the last `update` released an update.
-      accumulator: the params' tree, holding a `RowBuffer` for each sparse leaf and the
-        running sum (per replica under an `axis_name`) for each dense leaf.
+      accumulator: the params' tree, holding a `RowBuffer` for each sparse leaf and a
+        `DenseRows` (per replica under an `axis_name`) for each dense leaf.
       inner_state: the wrapped optimizer's state.
 
     Example:
@@ -91,6 +113,21 @@ def _is_buffer(x: Any) -> bool:
     return isinstance(x, RowBuffer)
 
 
+def _is_accumulator(x: Any) -> bool:
+    return isinstance(x, RowBuffer | DenseRows)
+
+
+def _num_rows(acc: RowBuffer | DenseRows) -> int:
+    return acc.slot_of.shape[0] if _is_buffer(acc) else acc.values.shape[0]
+
+
+def _dense_rows(param: Any) -> DenseRows:
+    return DenseRows(
+        values=_common.zeros_accumulator(param),
+        touches=jnp.zeros(jnp.shape(param)[:1], jnp.int32),
+    )
+
+
 def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
     shape = jnp.shape(param)
     dtype = _common.accumulator_dtype_for(jnp.result_type(param), None)
@@ -114,14 +151,22 @@ def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
             f"the params returning one): expected {jax.tree.structure(params)}, "
             f"got {jax.tree.structure(mask)}"
         )
+    flat = []
     for (path, p), m in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
     ):
-        if not isinstance(m, bool):
-            raise TypeError(f"sparse{jax.tree_util.keystr(path)} must be a bool, got {m!r}")
+        where = jax.tree_util.keystr(path)
+        if not isinstance(m, bool | np.bool_):
+            raise TypeError(f"sparse{where} must be a bool, got {m!r} ({type(m).__name__})")
         if m and jnp.ndim(p) < 1:
-            raise ValueError(f"params{jax.tree_util.keystr(path)} is a scalar and cannot be sparse")
-    return mask
+            raise ValueError(f"params{where} is a scalar and cannot be sparse")
+        if m and jnp.shape(p)[0] == 0:
+            raise ValueError(
+                f"params{where} must have at least one row to be sparse, got shape "
+                f"{tuple(jnp.shape(p))}"
+            )
+        flat.append(bool(m))
+    return jax.tree.unflatten(jax.tree.structure(params), flat)
 
 
 # --------------------------------------------------------------------------- checks
@@ -130,14 +175,16 @@ def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
 def _check_updates(updates: Any, accumulator: Any) -> None:
     """Trace-time check of the gradient tree against the accumulator's leaves."""
     got = jax.tree.structure(updates, is_leaf=is_indexed_slices)
-    expected = jax.tree.structure(accumulator, is_leaf=_is_buffer)
+    expected = jax.tree.structure(accumulator, is_leaf=_is_accumulator)
     if got != expected:
         raise ValueError(
             "updates must have the tree structure of the params given to init: "
             f"expected {expected}, got {got}"
         )
     flat, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_indexed_slices)
-    for (path, u), a in zip(flat, jax.tree.leaves(accumulator, is_leaf=_is_buffer), strict=True):
+    for (path, u), a in zip(
+        flat, jax.tree.leaves(accumulator, is_leaf=_is_accumulator), strict=True
+    ):
         where = f"updates{jax.tree_util.keystr(path)}"
         if _is_buffer(a) and not isinstance(u, IndexedSlices):
             raise TypeError(
@@ -145,8 +192,12 @@ def _check_updates(updates: Any, accumulator: Any) -> None:
                 f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
             )
         if isinstance(u, IndexedSlices):
-            table = (a.slot_of.shape[0], *a.values.shape[1:]) if _is_buffer(a) else a.shape
-            if u.dense_shape[1:] != tuple(table[1:]) or u.dense_shape[0] not in (-1, table[0]):
+            table = (a.slot_of.shape[0], *a.values.shape[1:]) if _is_buffer(a) else a.values.shape
+            if (
+                not table
+                or u.dense_shape[1:] != tuple(table[1:])
+                or u.dense_shape[0] not in (-1, table[0])
+            ):
                 raise ValueError(
                     f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}"
                 )
@@ -154,7 +205,7 @@ def _check_updates(updates: Any, accumulator: Any) -> None:
             if not jnp.issubdtype(u.values.dtype, jnp.floating):
                 raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
         else:
-            _common.check_tree_matches(u, a, what=where)
+            _common.check_tree_matches(u, a.values, what=where)
 
 
 def _all_finite(grads: list, accs: list) -> jax.Array:
@@ -163,18 +214,43 @@ def _all_finite(grads: list, accs: list) -> jax.Array:
     def real_rows(g: Any, a: Any) -> Any:
         if not isinstance(g, IndexedSlices):
             return g
-        rows = a.slot_of.shape[0] if _is_buffer(a) else a.shape[0]
-        real = (g.indices >= 0) & (g.indices < rows)
+        real = in_range(g.indices, _num_rows(a))
         return jnp.where(real.reshape((-1,) + (1,) * (g.values.ndim - 1)), g.values, 0)
 
     return _common.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
 
 
-def _add_dense(accepted: jax.Array, accumulator: jax.Array, gradient: Any) -> jax.Array:
-    """A dense leaf's accumulation; an `IndexedSlices` gradient is scatter-added."""
-    if isinstance(gradient, IndexedSlices):
-        return jnp.where(accepted, scatter_add(accumulator, gradient), accumulator)
-    return _common.add_where(accepted, accumulator, gradient)
+def _add_dense(accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any) -> DenseRows:
+    """A dense leaf's accumulation. An `IndexedSlices` gradient (given as `rows`, a
+    pair of int32 row ids and values) is scatter-added, each distinct row counted once;
+    a gradient not accepted is aimed out of range, so nothing is written."""
+    if rows is None:
+        return DenseRows(
+            _common.add_where(accepted, acc.values, gradient),
+            jnp.where(accepted, acc.touches + 1, acc.touches),
+        )
+    ids, values = rows
+    ids = jnp.where(accepted, ids, acc.values.shape[0])
+    # Every occurrence of a row writes the same count, so duplicates count once.
+    touched = acc.touches.at[ids].get(mode="fill", fill_value=0) + 1
+    return DenseRows(
+        acc.values.at[ids].add(values.astype(acc.values.dtype), mode="drop"),
+        acc.touches.at[ids].set(touched, mode="drop"),
+    )
+
+
+def _release_dense(acc: DenseRows, mean: bool, like: Any, axis_name: Any) -> jax.Array:
+    """A dense leaf released: summed over `axis_name`, each row divided by its count
+    if `mean` (by the number of accepted gradients, when all of them were dense)."""
+    total, touches = acc.values, acc.touches
+    if axis_name is not None:
+        total = lax.psum(total, axis_name)
+    if mean:
+        if axis_name is not None:
+            touches = lax.psum(touches, axis_name)
+        touches = touches.reshape(touches.shape + (1,) * (total.ndim - touches.ndim))
+        total = total / jnp.maximum(touches, 1).astype(total.dtype)
+    return total.astype(jnp.result_type(like))
 
 
 # --------------------------------------------------------------------------- row buffers
@@ -193,8 +269,11 @@ class _Plan(NamedTuple):
     slot_of: jax.Array  # the map, with the unmapped rows' entries used as claims
 
 
-def _plan(buf: RowBuffer, indices: jax.Array) -> _Plan:
+def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
     """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
+
+    `rows` are int32 row ids, with every id outside the table already the padding id
+    (see `row_ids`).
 
     A map entry is trusted only if it points below `size` at a slot holding that row,
     so a release never has to clear the map. Duplicate ids count once: an occurrence of
@@ -204,8 +283,7 @@ def _plan(buf: RowBuffer, indices: jax.Array) -> _Plan:
     sticks picks the occurrence that counts.
     """
     num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
-    real = (indices >= 0) & (indices < num_rows)
-    rows = jnp.where(real, indices, num_rows).astype(jnp.int32)
+    real = rows < num_rows
     before = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
     held = buf.rows.at[before].get(mode="fill", fill_value=-1)
     existing = jnp.where((before >= 0) & (before < buf.size) & (held == rows), before, -1)
@@ -262,7 +340,7 @@ def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSli
     Sorts the `capacity` row ids alone (no payload) and finds their slots in the map.
     """
     num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
-    used = jnp.arange(capacity) < buf.size
+    used = jnp.arange(capacity, dtype=jnp.int32) < buf.size
     ids = jnp.sort(jnp.where(used, buf.rows, num_rows))
     slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
     values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
@@ -274,9 +352,12 @@ def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSli
     return IndexedSlices(ids, values.astype(like.values.dtype), table)
 
 
-def _reset_if(emit: jax.Array, buf: RowBuffer) -> RowBuffer:
-    """The buffer emptied if `emit`: only `size` changes (see `_plan` and `_commit`)."""
-    return buf._replace(size=jnp.where(emit, 0, buf.size))
+def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseRows:
+    """The accumulator emptied if `emit`; a row buffer only resets `size` (see `_plan`
+    and `_commit`)."""
+    if _is_buffer(acc):
+        return acc._replace(size=jnp.where(emit, 0, acc.size))
+    return jax.tree.map(lambda x: jnp.where(emit, jnp.zeros((), x.dtype), x), acc)
 
 
 def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
@@ -285,22 +366,67 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
     The gathered stack is the same on every replica; saying so keeps the row buffers
     built from it invariant, so they need no mesh axis in a shard_map state spec.
     """
-    names = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
-    if names <= set(jax.sharding.get_abstract_mesh().manual_axes):  # shard_map or pmap
-        return _compat.all_gather_invariant(_compat.make_varying(x, names), axis_name)
-    return lax.all_gather(x, axis_name)  # vmap
+    return all_gather(x, axis_name, invariant=True)
+
+
+# --------------------------------------------------------------------------- duplicates
+
+
+def _row_hash(flat: jax.Array) -> jax.Array:
+    """uint32 `[n]`: a hash of each row's bits (murmur3's finaliser on every element,
+    salted by its column, summed), so that equal rows hash equally."""
+    bits = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.uint32)
+    column = jnp.arange(flat.shape[1], dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    x = bits ^ column
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(x ^ (x >> 16), axis=1, dtype=jnp.uint32)
+
+
+def _combined(
+    rows: jax.Array, values: jax.Array, *, dtype: Any, num_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """One gradient with its duplicate ids summed in `dtype`, in a fixed order.
+
+    The rows are sorted by id, and the duplicates of an id by a hash of their values
+    (ties, which only equal rows or a 32-bit hash collision give, by position): the
+    same (id, row) pairs in any order come out in the same order. A segmented scan
+    then adds every run of an id in that order (no scatter adds duplicates, so no
+    backend can reorder them); the run's total lands on its last row, and its other
+    rows become padding with zero values. The ids come out unique.
+    """
+    n = rows.shape[0]
+    flat = values.reshape(n, -1).astype(dtype)
+    if not n:
+        return rows, flat.reshape(values.shape)
+    position = jnp.arange(n, dtype=jnp.int32)
+    rows, _, order = lax.sort((rows, _row_hash(flat), position), num_keys=2)
+    flat = flat[order]
+    boundary = rows[1:] != rows[:-1]
+    first = jnp.concatenate([jnp.ones((1,), bool), boundary])
+    last = jnp.concatenate([boundary, jnp.ones((1,), bool)])
+
+    def add(a: tuple, b: tuple) -> tuple:
+        (first_a, sum_a), (first_b, sum_b) = a, b
+        return first_a | first_b, jnp.where(first_b[:, None], sum_b, sum_a + sum_b)
+
+    _, sums = lax.associative_scan(add, (first, flat), axis=0)
+    keep = last & (rows < num_rows)
+    sums = jnp.where(keep[:, None], sums, jnp.zeros((), dtype))
+    return jnp.where(keep, rows, num_rows), sums.reshape(values.shape)
 
 
 _UNROLL = 8  # up to this many replicas, insertion is unrolled rather than scanned
 
 
 def _insert_all(
-    buffers: list[RowBuffer], grads: list[IndexedSlices], offered: jax.Array
+    buffers: list[RowBuffer], grads: list[tuple[jax.Array, jax.Array]], offered: jax.Array
 ) -> tuple[list[RowBuffer], jax.Array, jax.Array]:
     """Inserts a stack of gradients (one per replica) in order, each whole or not at all.
 
-    `grads[k].indices` is `[n, nnz]` and `offered` is `[n]`. Returns the buffers and,
-    per gradient, whether it was taken and whether it overflowed.
+    `grads[k]` is a pair of int32 row ids `[n, nnz]` and their values, and `offered`
+    is `[n]`. Returns the buffers and, per gradient, whether it was taken and whether
+    it overflowed.
     """
 
     def one(bufs, xs):
@@ -311,7 +437,7 @@ def _insert_all(
         bufs = [_commit(b, p, v, take) for b, p, v in zip(bufs, plans, values, strict=True)]
         return bufs, (take, offer & ~fits)
 
-    xs = (offered, [g.indices for g in grads], [g.values for g in grads])
+    xs = (offered, [ids for ids, _ in grads], [values for _, values in grads])
     if offered.shape[0] > _UNROLL:
         buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
         return buffers, taken, overflowed
@@ -347,33 +473,48 @@ def sparse_conditional_accumulator(
     Sparse leaves (chosen by `sparse`) take `IndexedSlices` gradients. Their
     aggregate is per row: SUM adds each row, MEAN divides each row by the number of
     accepted gradients that touched it (not by `count`). Duplicate ids within one
-    gradient are summed and count once; ids outside `[0, rows)` are padding and ignored.
-    Each sparse leaf holds at most `capacity` distinct rows: a gradient that would
-    exceed it in any leaf is rejected whole and counted in `num_overflowed`, never cut.
-    The release is an `IndexedSlices` with sorted, unique row ids, padded to `capacity`
-    with the id `rows`. Dense leaves in the same tree accumulate exactly as in
-    `conditional_accumulator`; an `IndexedSlices` offered to a dense leaf (a small
-    embedding table, say) is scatter-added there and then treated as dense.
+    gradient are summed and count once; ids (of any integer dtype) outside `[0, rows)`
+    are padding and ignored. Each sparse leaf holds at most `capacity` distinct rows:
+    a gradient that would exceed it in any leaf is rejected whole and counted in
+    `num_overflowed`, never cut. The release is an `IndexedSlices` with sorted, unique
+    row ids, padded to `capacity` with the id `rows`.
+
+    Dense leaves keep a running sum and a count per row (`DenseRows`). A dense
+    gradient touches every row, so dense gradients accumulate exactly as in
+    `conditional_accumulator`. An `IndexedSlices` offered to a dense leaf (a small
+    embedding table, say) is scatter-added there, and MEAN divides each row by the
+    gradients that touched it, as for a sparse leaf; the release is a dense array. So
+    a table releases the same numbers whether `capacity` keeps it sparse or not.
 
     `inner` sees the released tree: use `sparse_sgd` to update only the touched rows, or
     `optax.chain(densify(), any_optimizer)` for a dense optimizer (which then does
     table-sized work on releasing steps only). Apply the updates with
     `optax_accum.apply_updates`. Never hand raw `IndexedSlices` to optax's element-wise
     transforms: they would change the indices too (floating indices raise a TypeError).
+    With mixed precision (float32 gradients on bfloat16 params, say), the updates
+    have the dtypes of `inner`'s own updates, held steps included.
 
     With `axis_name`, the replicas of that axis share one accumulator: every step the
     replicas' sparse gradients are gathered and inserted in replica order (so every
     replica holds the same rows, and overflow is decided the same everywhere), while
-    dense leaves are summed across replicas on releasing steps only.
+    dense leaves are summed across replicas on releasing steps only. There, each
+    replica first sums its gradient's duplicate ids, in an order fixed by the ids and
+    the rows' values, so results are the same bits on every replica and in every
+    run, on GPUs too, whatever order the rows arrive in (barring a 32-bit hash
+    collision between two different rows of one id); the sums travel in the
+    gradient's dtype. (On one device, duplicates are added by a scatter, in the order
+    the backend chooses; GPUs do not fix it.)
 
     Cost: an update does a few gathers and scatters over the gradient's rows (no sort;
     the row-to-slot map is updated in place when the state is donated); a release
     sorts the `capacity` row ids and resets only a counter. Nothing scales with the
-    table, except the map's memory (4 bytes per table row).
+    table, except the map's memory (4 bytes per table row). With `axis_name`, each
+    replica also sorts its own gradient's row ids every step.
 
     Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
-    keeps duplicates apart); out-of-range ids are ignored instead of raising (values
-    cannot raise inside jit); the release is padded to `capacity`.
+    keeps duplicates apart); out-of-range ids are ignored and counted in
+    `num_out_of_range` instead of raising (values cannot raise inside jit); the
+    release is padded to `capacity`.
 
     Args:
       inner: the optimizer that transforms each released aggregate.
@@ -383,9 +524,10 @@ def sparse_conditional_accumulator(
       reduction: "mean" (default) or "sum", in any case.
       axis_name: optional name (or tuple of names) of a mapped axis whose replicas share
         the accumulator.
-      sparse: which param leaves are sparse: a tree of bools shaped like the params, or
-        a function of the params returning one. Default: every leaf of rank >= 2 with
-        more rows than `capacity` (an embedding table).
+      sparse: which param leaves are sparse: a tree of bools (Python or NumPy) shaped
+        like the params, or a function of the params returning one. Default: every
+        leaf of rank >= 2 with more rows than `capacity` (an embedding table). A sparse
+        leaf must have at least one row.
       skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped and counted
         in `num_nonfinite`; by default it is accumulated as given, as TF does.
 
@@ -394,7 +536,8 @@ def sparse_conditional_accumulator(
       `SparseConditionalAccumulatorState`.
 
     Raises:
-      TypeError / ValueError: for a bad argument, naming it; at trace time, for
+      TypeError / ValueError: for a bad argument, naming it; at `init`, for a bad
+        `sparse` tree or a sparse leaf without rows; at trace time, for
         gradients whose structure, kinds (sparse or dense), shapes or dtypes do not
         match, and for a bad `local_step`.
 
@@ -435,7 +578,7 @@ def sparse_conditional_accumulator(
             num_out_of_range=_common.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
-                lambda p, m: _empty_buffer(p, capacity) if m else _common.zeros_accumulator(p),
+                lambda p, m: _empty_buffer(p, capacity) if m else _dense_rows(p),
                 params,
                 mask,
             ),
@@ -455,39 +598,45 @@ def sparse_conditional_accumulator(
         step = _common.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step
         grads = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
-        accs = jax.tree.leaves(state.accumulator, is_leaf=_is_buffer)
+        accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
         finite = _all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True)
-        sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
         offered = fresh & finite
+        # Every IndexedSlices as int32 row ids, ids outside the table as the padding id:
+        # exact for ids of every integer dtype. Out-of-range ids cannot raise under jit:
+        # they are ignored and counted.
+        slices: list[Any] = [None] * len(grads)
+        out_of_range = jnp.int32(0)
+        for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
+            if isinstance(g, IndexedSlices):
+                out_of_range = out_of_range + num_out_of_range(g.indices, _num_rows(a))
+                slices[i] = (row_ids(g.indices, _num_rows(a)), g.values)
+        sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
         if axis_name is not None:
             _common.require_bound_axis(axis_name)
-            gather = lambda x: _gather(x, axis_name)  # noqa: E731
+            # Each replica sums its own gradient's duplicate ids in a fixed order, so
+            # every replica (and every run) gets the same bits whatever order a scatter
+            # would add them in. Gathered in the gradient's dtype.
+            for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
+                if slices[i] is not None:
+                    ids, sums = _combined(*slices[i], dtype=a.values.dtype, num_rows=_num_rows(a))
+                    slices[i] = (ids, sums.astype(g.values.dtype) if _is_buffer(a) else sums)
+            stacked = [tuple(_gather(x, axis_name) for x in slices[i]) for i in sparse_at]
             me = lax.axis_index(axis_name)
+            offers = _gather(offered, axis_name)
         else:
-            gather = lambda x: x[None]  # noqa: E731
+            stacked = [jax.tree.map(lambda x: x[None], slices[i]) for i in sparse_at]
             me = 0
-        buffers, taken, overflowed = _insert_all(
-            [accs[i] for i in sparse_at],
-            [jax.tree.map(gather, grads[i]) for i in sparse_at],
-            gather(offered),
-        )
+            offers = offered[None]
+        buffers, taken, overflowed = _insert_all([accs[i] for i in sparse_at], stacked, offers)
         accepted, overflow = taken[me], overflowed[me]
         for i, buf in zip(sparse_at, buffers, strict=True):
             accs[i] = buf
         accs = [
-            a if _is_buffer(a) else _add_dense(accepted, a, g)
-            for a, g in zip(accs, grads, strict=True)
+            a if _is_buffer(a) else _add_dense(accepted, a, g, s)
+            for a, g, s in zip(accs, grads, slices, strict=True)
         ]
         accumulator = jax.tree.unflatten(
-            jax.tree.structure(state.accumulator, is_leaf=_is_buffer), accs
-        )
-        # Ids outside [0, num_rows] cannot raise under jit: they are ignored and counted.
-        out_of_range = sum(
-            (
-                ((grads[i].indices < 0) | (grads[i].indices > accs[i].slot_of.shape[0])).sum()
-                for i in sparse_at
-            ),
-            start=jnp.int32(0),
+            jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
         )
         flags = [accepted, ~fresh, fresh & ~finite, overflow]
         arrived = jnp.stack(
@@ -503,9 +652,9 @@ def sparse_conditional_accumulator(
                 if _is_buffer(a):
                     return _release_rows(a, mean, g)
                 like = g.values if isinstance(g, IndexedSlices) else g
-                return _common.reduce_dense(a, count if mean else None, like, axis_name)
+                return _release_dense(a, mean, like, axis_name)
 
-            return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_buffer)
+            return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_accumulator)
 
         # The release reads the accumulator and never returns it; a held step passes
         # the inner state on untouched (see _branch).
@@ -516,9 +665,7 @@ def sparse_conditional_accumulator(
             emit, release, state.inner_state, salt=count, params=params, held=_as_padding
         )
         accumulator = jax.tree.map(
-            lambda a: _reset_if(emit, a) if _is_buffer(a) else jnp.where(emit, 0, a),
-            accumulator,
-            is_leaf=_is_buffer,
+            lambda a: _reset_if(emit, a), accumulator, is_leaf=_is_accumulator
         )
         new_state = SparseConditionalAccumulatorState(
             global_step=_common.increment_if(emit, state.global_step),
@@ -601,6 +748,7 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
 
 
 __all__ = [
+    "DenseRows",
     "RowBuffer",
     "SparseConditionalAccumulatorState",
     "sparse_conditional_accumulator",

@@ -281,6 +281,22 @@ BAD: list[Bad] = [
         r"sparse must be a bool, got [01] \(int\)",
     ),
     Bad(
+        "sparse/table of zero rows",
+        lambda: _sparse(sparse=True).init(jnp.zeros((0, 2))),
+        ValueError,
+        r"params must have at least one row to be sparse, got shape \(0, 2\)",
+    ),
+    Bad(
+        "sparse/IndexedSlices for a scalar leaf",
+        lambda: _jit_update(
+            _sparse(sparse={"w": False, "b": False}),
+            {"w": GRADS["w"], "b": IndexedSlices(jnp.array([0]), jnp.ones((1,)), (1,))},
+            {"w": jnp.zeros((2, 3)), "b": jnp.zeros(())},
+        ),
+        ValueError,
+        r"updates\['b'\] must have dense_shape \(\), got \(1,\)",
+    ),
+    Bad(
         "sparse/dense gradient for a sparse leaf",
         lambda: _sparse_update(jnp.ones((10, 2))),
         TypeError,
@@ -311,6 +327,18 @@ BAD: list[Bad] = [
         UNBOUND,
     ),
     # ---------------------------------------------------------------- IndexedSlices
+    Bad(
+        "IndexedSlices/list indices",
+        lambda: IndexedSlices([0, 1], jnp.ones((2, 2)), (10, 2)),
+        TypeError,
+        r"IndexedSlices indices must be an array \(jax\.Array or numpy\.ndarray\), got list",
+    ),
+    Bad(
+        "IndexedSlices/list values",
+        lambda: IndexedSlices(jnp.array([0]), [[1.0, 2.0]], (10, 2)),
+        TypeError,
+        r"IndexedSlices values must be an array \(jax\.Array or numpy\.ndarray\), got list",
+    ),
     Bad(
         "IndexedSlices/float indices",
         lambda: IndexedSlices(jnp.array([0.0]), jnp.ones((1, 2)), (10, 2)),

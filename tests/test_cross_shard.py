@@ -399,3 +399,49 @@ def test_tuple_axis_name_reduces_over_the_row_major_replica_index(groups):
     grads = np.random.default_rng(3).normal(size=(8, 2)).astype(np.float32)
     out = np.asarray(fn(jnp.asarray(grads)))
     np.testing.assert_allclose(out, numpy_group_reduce(grads, groups, True), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [None, [[0, 2, 4], [1, 3, 5]], [[0, 1], [2, 3], [4, 5]], [[0, 5], [1, 4], [2, 3]]],
+)
+@pytest.mark.parametrize("pack", [False, True])
+def test_nested_vmap_with_a_tuple_axis_name(groups, pack):
+    """`vmap(vmap(f, axis_name="a"), axis_name="b")` with `axis_name=("b", "a")`: with
+    groups, the same bits as one flat vmap over the row-major replica index (without,
+    jax's own `pmean` over two names adds in another order); and NumPy's numbers."""
+    b, a = 2, 3
+    grads = np.random.default_rng(4).normal(size=(b * a, 5)).astype(np.float32)
+    nested_tx = cross_shard(("b", "a"), group_assignment=groups, pack=pack)
+    flat_tx = cross_shard("i", group_assignment=groups, pack=pack)
+    nested = jax.jit(
+        jax.vmap(
+            jax.vmap(lambda g: nested_tx.update(g, nested_tx.init(g))[0], axis_name="a"),
+            axis_name="b",
+        )
+    )(jnp.asarray(grads).reshape(b, a, 5))
+    flat = reduced(flat_tx, grads, "vmap")
+    nested = np.asarray(nested).reshape(b * a, 5)
+    if groups is not None:
+        np.testing.assert_array_equal(nested, flat)
+    expected = numpy_group_reduce(grads, groups, True)
+    np.testing.assert_allclose(nested, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("groups", [[[0, 3, 5, 6], [1, 2, 4, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]]])
+def test_nested_vmap_groups_match_the_shard_map_bits(groups):
+    """A tuple of vmap axes cannot be permuted; the gathered group sum that replaces the
+    permutes adds in the group's member order, so it gives shard_map's bits."""
+    grads = np.random.default_rng(6).normal(size=(8, 3)).astype(np.float32)
+    tx = cross_shard(("b", "a"), group_assignment=groups)
+    nested = jax.jit(
+        jax.vmap(jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="a"), axis_name="b")
+    )(jnp.asarray(grads).reshape(2, 4, 3))
+    mesh = jax.make_mesh((2, 4), ("b", "a"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    spec = P(("b", "a"))
+    sharded = jax.jit(
+        jax.shard_map(
+            lambda g: tx.update(g, tx.init(g))[0], mesh=mesh, in_specs=spec, out_specs=spec
+        )
+    )(jnp.asarray(grads))
+    np.testing.assert_array_equal(np.asarray(nested).reshape(8, 3), np.asarray(sharded))

@@ -158,3 +158,38 @@ def test_trains_an_embedding_bag_with_the_sparse_path():
     ids, labels = _data(200, 999)
     accuracy = float((model.apply({"params": params}, ids).argmax(-1) == labels).mean())
     assert accuracy > 0.8
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "uint16", "int32"])
+def test_ids_of_every_integer_dtype_give_exact_rows(dtype):
+    """uint8 id 255 of a 300-row table is row 255 (not wrapped); the sparse gradient
+    densifies to jax.grad's dense one."""
+    model = nn.Embed(num_embeddings=300, features=2)
+    params = model.init(jax.random.key(0), jnp.zeros(1, jnp.int32))["params"]
+    info = np.iinfo(dtype)
+    ids = jnp.asarray(np.array([i for i in (255, 3, 255, 127) if i <= info.max], dtype))
+
+    def loss(p, ids):
+        return (model.apply({"params": p}, ids) ** 2).sum()
+
+    value, grads = jax.jit(optax_accum.embedding_value_and_grad(loss))(params, ids)
+    expected_value, expected = jax.value_and_grad(loss)(params, ids)
+    g = grads["embedding"]
+    assert g.indices.dtype == jnp.int32
+    assert g.indices.tolist() == np.asarray(ids).astype(np.int64).tolist()
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    np.testing.assert_allclose(g.to_dense(), expected["embedding"], rtol=1e-6)
+
+
+def test_int64_ids_beyond_int32_are_padding_under_x64():
+    """An int64 id of 2**32 + 3 is out of the table (padding, id `rows`), never row 3."""
+    with jax.enable_x64(True):
+        model = nn.Embed(num_embeddings=300, features=2, param_dtype=jnp.float32)
+        params = model.init(jax.random.key(0), jnp.zeros(1, jnp.int32))["params"]
+
+        def loss(p, ids):
+            return jnp.nansum(model.apply({"params": p}, ids))
+
+        ids = jnp.array([2**32 + 3, 3, -1], jnp.int64)
+        _, grads = optax_accum.embedding_value_and_grad(loss)(params, ids)
+        assert grads["embedding"].indices.tolist() == [300, 3, 300]

@@ -183,3 +183,44 @@ def test_densify_passes_unknown_extra_args_and_works_without_params():
     out, state = tx.update(_slices([1], [[2, 2]]), tx.init(None), unknown=3)
     assert state == optax.EmptyState()
     np.testing.assert_array_equal(out[1], [2, 2])
+
+
+@pytest.mark.parametrize("leaf", ["indices", "values"])
+@pytest.mark.parametrize("kind", [list, tuple, float])
+def test_python_lists_tuples_and_numbers_are_refused_at_construction(leaf, kind):
+    ok = {"indices": jnp.array([0, 1]), "values": jnp.ones((2, 2))}
+    bad = {"indices": [0, 1], "values": [[1.0, 1.0], [1.0, 1.0]]}[leaf]
+    bad = 1.0 if kind is float else kind(bad)
+    with pytest.raises(
+        TypeError, match=rf"IndexedSlices {leaf} must be an array .*got {kind.__name__}"
+    ):
+        IndexedSlices(**{**ok, leaf: bad}, dense_shape=(4, 2))
+    # Spec trees (shard_map's in_specs / out_specs) are built with the constructor too.
+    spec = IndexedSlices(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("i"), (4, 2))
+    assert spec.values == jax.sharding.PartitionSpec("i")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "uint16", "uint32", "int32"])
+def test_ids_of_every_integer_dtype_scatter_exactly(dtype):
+    """to_dense, apply_updates and densify compare ids with the row count exactly: a
+    uint8 255 is a row of a 300-row table, an int8 -1 is padding."""
+    info = np.iinfo(dtype)
+    ids = np.array([i for i in (-1, 0, 127, 255, 299) if info.min <= i <= info.max], dtype)
+    values = np.arange(1, len(ids) + 1, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    g = IndexedSlices(jnp.asarray(ids), jnp.asarray(values), (300, 2))
+    expected = np.zeros((300, 2), np.float32)
+    for i, v in zip(ids.astype(np.int64), values, strict=True):
+        if 0 <= i < 300:
+            expected[i] += v
+    np.testing.assert_array_equal(jax.jit(IndexedSlices.to_dense)(g), expected)
+    table = jax.jit(optax_accum.apply_updates)(jnp.zeros((300, 2)), g)
+    np.testing.assert_array_equal(table, expected)
+    dense, _ = optax_accum.densify().update(g, optax.EmptyState(), jnp.zeros((300, 2)))
+    np.testing.assert_array_equal(dense, expected)
+
+
+def test_int64_ids_beyond_int32_are_padding_under_x64():
+    with jax.enable_x64(True):
+        ids = jnp.array([2**32 + 1, 2, -(2**40), 2**31], jnp.int64)
+        g = IndexedSlices(ids, jnp.ones((4, 1), jnp.float32), (3, 1))
+        np.testing.assert_array_equal(jax.jit(IndexedSlices.to_dense)(g)[:, 0], [0, 0, 1])

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import lenient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import IndexedSlices, sparse_conditional_accumulator
+from optax_accum.sparse import DenseRows
 
 ROWS = 6  # table rows in the small tests; id 6 is padding
 
@@ -321,7 +323,7 @@ def test_dense_leaves_match_conditional_accumulator_exactly():
             assert su[k].dtype == du[k].dtype
             np.testing.assert_array_equal(su[k], du[k])
             np.testing.assert_array_equal(
-                s_box["state"].accumulator[k], d_box["state"].accumulator[k]
+                s_box["state"].accumulator[k].values, d_box["state"].accumulator[k]
             )
     assert int(s_box["state"].num_dropped) == int(d_box["state"].num_dropped) == 2
 
@@ -330,7 +332,7 @@ def test_default_marks_tall_matrices_sparse():
     tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4)
     state = tx.init({"emb": jnp.zeros((10, 2)), "kernel": jnp.zeros((4, 2)), "b": jnp.zeros(10)})
     kinds = {k: type(v).__name__ for k, v in state.accumulator.items()}
-    assert kinds == {"emb": "RowBuffer", "kernel": "ArrayImpl", "b": "ArrayImpl"}
+    assert kinds == {"emb": "RowBuffer", "kernel": "DenseRows", "b": "DenseRows"}
 
 
 # --------------------------------------------------------------------------- errors
@@ -462,10 +464,14 @@ def test_axis_name_on_eight_devices_matches_the_reference():
     )
     params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros((1,))}
     state = tx.init(params)
-    state = state._replace(accumulator={**state.accumulator, "d": jnp.zeros((n,))})
+    per_replica = DenseRows(jnp.zeros((n,)), jnp.zeros((n,), jnp.int32))
+    state = state._replace(accumulator={**state.accumulator, "d": per_replica})
     state_spec = jax.tree.map(lambda _: P(), state)
     state_spec = state_spec._replace(
-        accumulator={"e": jax.tree.map(lambda _: P(), state.accumulator["e"]), "d": P("i")}
+        accumulator={
+            "e": jax.tree.map(lambda _: P(), state.accumulator["e"]),
+            "d": DenseRows(P("i"), P("i")),
+        }
     )
     out_spec = {"e": IndexedSlices(P(), P(), (ROWS, 2)), "d": P()}
 
@@ -500,15 +506,17 @@ def test_axis_name_on_eight_devices_matches_the_reference():
     assert released >= 2 and ref.overflowed >= 1  # the data exercise both paths
 
 
-def test_slices_offered_to_a_dense_leaf_are_scatter_added():
-    """A dense leaf takes the dense meaning of an IndexedSlices: MEAN divides by count."""
-    tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=2, sparse=False)
+def test_slices_offered_to_a_dense_leaf_are_scatter_added_and_averaged_per_row():
+    """A dense leaf takes the dense meaning of an IndexedSlices, and MEAN divides each
+    row by the gradients that touched it, as a sparse leaf does (not by the count)."""
+    tx = sparse_conditional_accumulator(optax.identity(), 3, capacity=2, sparse=False)
     offer, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
-    offer(_g([1, 1, ROWS], [[1, 1], [2, 2], [7, 7]]))
-    u = offer(_g([0], [[4, 0]]))
+    offer(_g([1, 1, ROWS], [[1, 1], [2, 2], [7, 7]]))  # row 1 gets [3, 3], counted once
+    offer(_g([0, 1], [[4, 0], [1, 1]]))
+    u = offer(_g([0], [[2, 2]]))
     expected = np.zeros((ROWS, 2))
-    expected[0], expected[1] = [2, 0], [1.5, 1.5]
-    np.testing.assert_allclose(u, expected)
+    expected[0], expected[1] = [3, 1], [2, 2]
+    np.testing.assert_array_equal(u, expected)
 
 
 def test_update_does_no_table_sized_work():
@@ -547,3 +555,379 @@ def test_axis_name_under_pmap():
         assert got_ids == [0, 1, 2, 3, 4]
         np.testing.assert_allclose(got_vals[:, 0], [2.5, 3.5, 4.5, 3, 4])
     assert np.all(np.asarray(state.global_step) == 1)
+
+
+# --------------------------------------------------------------------------- every capacity
+
+
+def _dense_meaning(u) -> np.ndarray:
+    return np.asarray(u.to_dense() if isinstance(u, IndexedSlices) else u)
+
+
+@pytest.mark.parametrize("capacity", [3, 5, 6, 64])
+def test_mean_is_per_row_whatever_the_capacity(capacity):
+    """Issue 14's reproducer, with the default `sparse`: at capacity 6 and 64 the table
+    is kept dense, and rows 1 and 2 must still be averaged over their own gradients."""
+    tx = sparse_conditional_accumulator(optax.identity(), 3, capacity=capacity)
+    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    for ids in ([0, 1, 2], [0, 1], [0]):
+        u = offer(_g(ids, np.full((len(ids), 2), 2.0)))
+    kind = "RowBuffer" if capacity < ROWS else "DenseRows"
+    assert type(box["state"].accumulator).__name__ == kind
+    expected = np.zeros((ROWS, 2))
+    expected[:3] = 2.0
+    np.testing.assert_array_equal(_dense_meaning(u), expected)
+
+
+def _per_row_reference(window, rows, mean):
+    """float64: each row's sum over a window's gradients, divided by the gradients
+    that touched it (duplicates within a gradient summed, counted once)."""
+    total, touches = np.zeros((rows, 2)), np.zeros(rows)
+    for ids, values in window:
+        touched = np.zeros(rows, bool)
+        for i, v in zip(ids, values, strict=True):
+            if 0 <= i < rows:
+                total[i] += np.asarray(v, np.float64)
+                touched[i] = True
+        touches += touched
+    return total / np.maximum(touches, 1)[:, None] if mean else total
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.booleans(),
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(-1, ROWS), st.floats(-4, 4, width=32)), min_size=0, max_size=5
+        ),
+        min_size=3,
+        max_size=3,
+    ),
+)
+def test_every_capacity_releases_the_per_row_mean(mean, window):
+    """Every capacity from the rows touched to beyond the table, with the default
+    `sparse` (row buffer below the table's size, dense from it on): identical bits,
+    equal to the float64 per-row mean."""
+    grads = [([i for i, _ in g], [[v, -2 * v] for _, v in g]) for g in window]
+    touched = {i for ids, _ in grads for i in ids if 0 <= i < ROWS}
+    released = []
+    for capacity in range(max(len(touched), 1), ROWS + 3):
+        tx = sparse_conditional_accumulator(
+            optax.identity(), 3, capacity=capacity, reduction="mean" if mean else "sum"
+        )
+        offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+        for ids, values in grads:
+            u = offer(_g(np.asarray(ids, np.int32), np.reshape(values, (-1, 2))))
+        assert bool(box["state"].emitted) and int(box["state"].num_overflowed) == 0
+        released.append(_dense_meaning(u))
+    expected = _per_row_reference(grads, ROWS, mean)
+    for got in released:
+        np.testing.assert_array_equal(got, released[0])
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- id dtypes
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "uint16", "uint32", "int32"])
+@pytest.mark.parametrize("rows", [256, 300, 70_000])
+def test_ids_of_every_integer_dtype_are_exact(dtype, rows):
+    """A byte vocabulary of 256 rows (and tables beyond what 8 and 16 bits hold) with
+    the largest ids the dtype holds: the same release as int32 ids, nothing counted
+    out of range."""
+    info = np.iinfo(dtype)
+    candidates = (0, 3, 127, 128, 255, 299, 32767, 65535, 69_999)
+    ids = [i for i in candidates if i <= min(info.max, rows - 1)]
+    values = np.arange(2 * len(ids), dtype=np.float32).reshape(-1, 2) + 1
+    for sparse in (True, False):
+        tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=16, sparse=sparse)
+        state = tx.init(jnp.zeros((rows, 2)))
+        update = jax.jit(tx.update)
+        for as_dtype in (dtype, "int32"):
+            g = IndexedSlices(
+                jnp.asarray(np.asarray(ids, as_dtype)), jnp.asarray(values), (rows, 2)
+            )
+            s = state
+            for _ in range(2):
+                u, s = update(g, s)
+            assert int(s.num_out_of_range) == 0 and bool(s.emitted)
+            dense = _dense_meaning(u)
+            if as_dtype == dtype:
+                got = dense
+        np.testing.assert_array_equal(got, dense)
+        np.testing.assert_array_equal(dense[ids], values)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse leaf", "dense leaf"])
+def test_out_of_range_ids_are_counted_for_sparse_and_dense_leaves(sparse):
+    tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4, sparse=sparse)
+    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    u = offer(_g([-1, 2, ROWS, ROWS + 1, 2**30], np.ones((5, 2))))
+    assert int(box["state"].num_out_of_range) == 3  # ROWS is the padding id
+    expected = np.zeros((ROWS, 2))
+    expected[2] = 1.0
+    np.testing.assert_array_equal(_dense_meaning(u), expected)
+    # int8 ids: -128 is out of range; every positive int8 id of a 300-row table is real.
+    tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4, sparse=sparse)
+    state = tx.init(jnp.zeros((300, 2)))
+    g = IndexedSlices(jnp.array([-128, 127], jnp.int8), jnp.ones((2, 2)), (300, 2))
+    u, state = jax.jit(tx.update)(g, state)
+    assert int(state.num_out_of_range) == 1
+    assert _dense_meaning(u)[127].tolist() == [1.0, 1.0]
+
+
+def test_int64_ids_under_x64():
+    """int64 ids beyond int32 are out of range, never wrapped onto a real row."""
+    with jax.enable_x64(True):
+        for sparse in (True, False):
+            tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4, sparse=sparse)
+            state = tx.init(jnp.zeros((ROWS, 2), jnp.float32))
+            ids = jnp.array([3, 2**32 + 3, 2**31, 1], jnp.int64)
+            g = IndexedSlices(ids, jnp.ones((4, 2), jnp.float32), (ROWS, 2))
+            u, state = jax.jit(tx.update)(g, state)
+            assert int(state.num_out_of_range) == 2
+            dense = _dense_meaning(u)
+            assert dense[:, 0].tolist() == [0, 1, 0, 1, 0, 0]
+            table = optax_accum.apply_updates(jnp.zeros((ROWS, 2), jnp.float32), g)
+            assert np.asarray(table)[:, 0].tolist() == [0, 1, 0, 1, 0, 0]
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_axis_path_sums_duplicates_in_a_fixed_order():
+    """Shuffling each replica's (id, row) pairs gives the same bits: duplicates are
+    summed in an order fixed by the ids and values, never by arrival. The values are
+    chosen so that float32 addition in arrival order would differ (1e8 + 1 - 1e8)."""
+    n, nnz = 4, 6
+    rng = np.random.default_rng(0)
+    ids = np.array([[1, 1, 1, 2, 2, ROWS]] * n, np.int32)
+    big = np.array([1e8, 1.0, -1e8, 3.0, 1e-3, 9.0], np.float32)
+    values = np.stack([np.stack([big * (r + 1), -big], axis=1) for r in range(n)])
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 2 * n, capacity=4, sparse={"e": True, "d": False}, axis_name="r"
+    )
+    params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros((ROWS, 2))}
+
+    @jax.jit
+    def run(ids, values):
+        def replica(i, v):
+            state = tx.init(params)
+            g = {"e": IndexedSlices(i, v, (ROWS, 2)), "d": IndexedSlices(i, v, (ROWS, 2))}
+            _, state = tx.update(g, state, params)
+            u, state = tx.update(g, state, params)
+            return u, state
+
+        return jax.vmap(replica, axis_name="r")(ids, values)
+
+    first = run(ids, values)
+    for _ in range(3):
+        order = np.stack([rng.permutation(nnz) for _ in range(n)])
+        shuffled = run(
+            np.take_along_axis(ids, order, 1), np.take_along_axis(values, order[..., None], 1)
+        )
+        jax.tree.map(np.testing.assert_array_equal, shuffled, first)
+    u, _ = first
+    assert _rows(jax.tree.map(lambda x: x[0], u["e"]))[0] == [1, 2]
+    np.testing.assert_array_equal(np.asarray(u["d"][0]), np.asarray(u["d"][n - 1]))
+
+
+# --------------------------------------------------------------------------- nested vmap
+
+
+def test_nested_vmap_with_a_tuple_axis_name():
+    """`vmap(vmap(f, axis_name="a"), axis_name="b")` with `axis_name=("b", "a")` is the
+    flat `vmap` over b * a replicas in row-major order: the same bits."""
+    b, a = 2, 3
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, ROWS + 1, size=(b * a, 3)).astype(np.int32)
+    values = rng.normal(size=(b * a, 3, 2)).astype(np.float32)
+    dense = rng.normal(size=(b * a, 2)).astype(np.float32)
+    params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros(2)}
+
+    def make(axis_name):
+        tx = sparse_conditional_accumulator(
+            optax.identity(),
+            b * a,
+            capacity=ROWS,
+            sparse={"e": True, "d": False},
+            axis_name=axis_name,
+        )
+
+        def replica(i, v, d):
+            g = {"e": IndexedSlices(i, v, (ROWS, 2)), "d": d}
+            return tx.update(g, tx.init(params), params)
+
+        return replica
+
+    flat = jax.jit(jax.vmap(make("r"), axis_name="r"))(ids, values, dense)
+    nested = jax.jit(jax.vmap(jax.vmap(make(("b", "a")), axis_name="a"), axis_name="b"))(
+        *(x.reshape(b, a, *x.shape[1:]) for x in (ids, values, dense))
+    )
+    nested = jax.tree.map(lambda x: x.reshape(b * a, *x.shape[2:]), nested)
+    jax.tree.map(np.testing.assert_array_equal, nested, flat)
+    u, state = flat
+    assert bool(state.emitted[0])
+    ref = Reference(b * a, ROWS, mean=True)
+    expected = ref.offer([(ids[r], values[r], 0.0, 0) for r in range(b * a)])
+    got_ids, got_vals = _rows(jax.tree.map(lambda x: x[0], u["e"]))
+    assert got_ids == expected[0]
+    np.testing.assert_allclose(got_vals, expected[1], rtol=1e-6)
+    np.testing.assert_allclose(u["d"][0], dense.mean(0), rtol=1e-6)
+
+
+def test_sparse_mask_of_numpy_bools():
+    """A mask computed with NumPy (`np.bool_` leaves) works as one of Python bools."""
+    params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros(2)}
+    grads = {"e": _g([1], [[2.0, 2.0]]), "d": jnp.ones(2)}
+    results = []
+    for mask in ({"e": True, "d": False}, {"e": np.True_, "d": np.False_}):
+        for given_as in (mask, lambda p, mask=mask: mask):
+            tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse=given_as)
+            state = tx.init(params)
+            assert type(state.accumulator["e"]).__name__ == "RowBuffer"
+            u, _ = jax.jit(tx.update)(grads, state)
+            results.append(_dense_meaning(u["e"]))
+    for r in results:
+        np.testing.assert_array_equal(r, results[0])
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+MIXED = [
+    (jnp.bfloat16, jnp.float32),
+    (jnp.float16, jnp.float32),
+    (jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.float16),
+]
+INNERS = {
+    "sgd": (lambda: optax_accum.sparse_sgd(0.5), lambda: optax.sgd(0.5)),
+    "adam": (
+        lambda: optax.chain(optax_accum.densify(), lenient(optax.adam(0.1))),
+        lambda: lenient(optax.adam(0.1)),
+    ),
+}
+
+
+def _mixed_grads(step, dtype):
+    """Sparse rows (a table, and a small table kept dense) and a dense leaf. Every
+    gradient touches the same rows, so the per-row mean is the mean of the window and
+    optax.MultiSteps on the dense gradients is an exact anchor."""
+    rng = np.random.default_rng(step)
+
+    def rows(n, shape):
+        values = jnp.asarray(rng.normal(size=(n, shape[1])), dtype)
+        return IndexedSlices(jnp.array([4, 1, 4][:n], jnp.int32), values, shape)
+
+    return {
+        "e": rows(3, (ROWS, 2)),
+        "k": rows(2, (3, 2)),
+        "b": jnp.asarray(rng.normal(size=2), dtype),
+    }
+
+
+@pytest.mark.parametrize("inner", sorted(INNERS))
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), MIXED, ids=lambda d: jnp.dtype(d).name)
+def test_mixed_precision_matches_multisteps(param_dtype, grad_dtype, inner):
+    """float32 gradients on low-precision params and the reverse: on every step, held
+    or released, the updates have the dtypes of the inner optimizer's own updates (as
+    optax.MultiSteps gives), and applying them keeps the params' dtypes."""
+    make_sparse_inner, make_dense_inner = INNERS[inner]
+    params = {
+        "e": jnp.asarray(np.linspace(-1, 1, 2 * ROWS).reshape(ROWS, 2), param_dtype),
+        "k": jnp.ones((3, 2), param_dtype),
+        "b": jnp.zeros(2, param_dtype),
+    }
+    tx = sparse_conditional_accumulator(
+        make_sparse_inner(), 2, capacity=4, sparse={"e": True, "k": False, "b": False}
+    )
+    multi = optax.MultiSteps(make_dense_inner(), 2)
+
+    def dense(g):
+        return jax.tree.map(
+            lambda x: x.to_dense() if isinstance(x, IndexedSlices) else x,
+            g,
+            is_leaf=lambda x: isinstance(x, IndexedSlices),
+        )
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax_accum.apply_updates(params, updates), state, updates
+
+    @jax.jit
+    def multi_step(params, state, grads):
+        with jax.numpy_dtype_promotion("standard"):  # optax's own code is not strict
+            updates, state = multi.update(dense(grads), state, params)
+            return optax.apply_updates(params, updates), state, updates
+
+    dense_inner = make_dense_inner()
+    own = jax.eval_shape(
+        dense_inner.update, dense(_mixed_grads(0, grad_dtype)), dense_inner.init(params), params
+    )[0]
+    ours, theirs = (params, tx.init(params)), (params, multi.init(params))
+    for i in range(4):
+        grads = _mixed_grads(i, grad_dtype)
+        before = ours[0]
+        *ours, u = step(*ours, grads)
+        *theirs, mu = multi_step(*theirs, grads)
+        got = jax.tree.map(
+            lambda x: x.values.dtype if isinstance(x, IndexedSlices) else x.dtype,
+            u,
+            is_leaf=lambda x: isinstance(x, IndexedSlices),
+        )
+        assert got == jax.tree.map(lambda x: x.dtype, own) == jax.tree.map(lambda x: x.dtype, mu)
+        assert jax.tree.map(lambda x: x.dtype, ours[0]) == jax.tree.map(lambda x: x.dtype, params)
+        if i % 2 == 0:  # held: nothing to apply
+            jax.tree.map(np.testing.assert_array_equal, ours[0], before)
+    for k in params:
+        np.testing.assert_allclose(
+            np.asarray(ours[0][k], np.float32),
+            np.asarray(theirs[0][k], np.float32),
+            rtol=2e-2,
+            atol=2e-2,
+        )
+    assert not np.array_equal(
+        np.asarray(ours[0]["e"], np.float32), np.asarray(params["e"], np.float32)
+    )
+
+
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), MIXED, ids=lambda d: jnp.dtype(d).name)
+def test_mixed_precision_on_the_axis_path(param_dtype, grad_dtype):
+    """The same under `axis_name` (two replicas offering the same gradients, so one
+    release per step equals one device releasing every second step)."""
+    params = {
+        "e": jnp.zeros((ROWS, 2), param_dtype),
+        "k": jnp.zeros((3, 2), param_dtype),
+        "b": jnp.zeros(2, param_dtype),
+    }
+    mask = {"e": True, "k": False, "b": False}
+    shared = sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(0.5), 2, capacity=4, sparse=mask, axis_name="r"
+    )
+    alone = sparse_conditional_accumulator(optax_accum.sparse_sgd(0.5), 2, capacity=4, sparse=mask)
+
+    def step(tx):
+        def run(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax_accum.apply_updates(params, updates), state
+
+        return run
+
+    pair = jax.tree.map(lambda x: jnp.stack([x, x]), (params, shared.init(params)))
+    pair_step = jax.jit(jax.vmap(step(shared), axis_name="r"))
+    single, single_step = (params, alone.init(params)), jax.jit(step(alone))
+    for i in range(2):
+        grads = _mixed_grads(i, grad_dtype)
+        pair = pair_step(*pair, jax.tree.map(lambda x: jnp.stack([x, x]), grads))
+        single = single_step(*single, grads)
+        single = single_step(*single, grads)
+    for k in params:
+        assert pair[0][k].dtype == param_dtype
+        np.testing.assert_array_equal(np.asarray(pair[0][k][0]), np.asarray(pair[0][k][1]))
+        np.testing.assert_allclose(
+            np.asarray(pair[0][k][0], np.float32),
+            np.asarray(single[0][k], np.float32),
+            rtol=1e-2,
+            atol=1e-2,
+        )

@@ -1,0 +1,213 @@
+"""Structural guards for the sparse accumulator's held step (no clocks involved).
+
+A held step only inserts the gradient's rows; the release (which sorts the buffer's
+`capacity` row ids) must run on releasing steps only. XLA moves loop-invariant work
+out of loops unless it is stopped, so these tests read what a held step compiles to:
+
+- on this CPU, the optimized HLO of a jitted, donated update (and train step) runs no
+  sort of the buffer outside the 0-or-1-trip loop that releases;
+- lowered for TPU and for GPU (`lowering_platforms`), every sort of the buffer sits
+  inside a branch of a conditional.
+
+With an `axis_name`, each replica sorts its own gradient's rows on every step (the
+fixed-order sum of duplicates); those sorts are over the gradient, never the buffer,
+so the sizes below are chosen to tell them apart.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optax_accum
+from optax_accum import IndexedSlices
+
+ROWS, DIM = 1009, 3
+CAPACITY = 24  # the buffer's size: no gradient array has it
+NNZ = 5
+REPLICAS = 4
+
+
+def _accumulator(axis_name=None):
+    return optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(0.1),
+        4,
+        capacity=CAPACITY,
+        sparse={"e": True, "b": False},
+        axis_name=axis_name,
+    )
+
+
+def _params():
+    return {"e": jnp.zeros((ROWS, DIM)), "b": jnp.zeros(DIM)}
+
+
+def _grads():
+    ids = jnp.arange(NNZ, dtype=jnp.int32) * 7
+    return {"e": IndexedSlices(ids, jnp.ones((NNZ, DIM)), (ROWS, DIM)), "b": jnp.ones(DIM)}
+
+
+def _programs(axis_name):
+    """(name, jitted function, args): an update returning the state first (so the
+    donated state lines up with the outputs) and a canonical train step."""
+    tx = _accumulator(axis_name)
+    params, grads = _params(), _grads()
+
+    def update(state, grads, params):
+        updates, state = tx.update(grads, state, params)
+        return state, updates
+
+    def train_step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax_accum.apply_updates(params, updates), state
+
+    programs = [("update", update, (0,), (tx.init(params), grads, params))]
+    programs.append(("train_step", train_step, (0, 1), (params, tx.init(params), grads)))
+    if axis_name is None:
+        return [(n, jax.jit(f, donate_argnums=d), a) for n, f, d, a in programs]
+
+    def replicated(f):
+        return jax.vmap(f, axis_name=axis_name)
+
+    def stack(tree):
+        return jax.tree.map(lambda x: jnp.stack([x] * REPLICAS), tree)
+
+    return [(n, jax.jit(replicated(f), donate_argnums=d), stack(a)) for n, f, d, a in programs]
+
+
+# --------------------------------------------------------------------------- CPU HLO
+
+HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s")
+
+
+def _computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
+    comps: dict[str, list[str]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        header = HEADER.match(line)
+        if header and line.rstrip().endswith("{"):
+            current = header.group(2)
+            comps[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line.strip())
+    assert entry is not None
+    return entry, comps
+
+
+def _every_call(hlo: str) -> list[str]:
+    """Instructions that run on every call: ENTRY and the computations it calls, except
+    loop bodies and conditions and the branches of conditionals."""
+    entry, comps = _computations(hlo)
+    seen, todo, lines = set(), [entry], []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            lines.append(line)
+            attrs = re.sub(r"(body|condition|branch_computations)=\{?[%\w.,\s-]+\}?", "", line)
+            todo += re.findall(r"(?:calls|to_apply)=%([\w.-]+)", attrs)
+    return lines
+
+
+def _buffer_sorts(lines: list[str]) -> list[str]:
+    """Sorts of `CAPACITY` int32 row ids (batched over replicas under vmap)."""
+    return [x for x in lines if re.search(rf"= s32\[(\d+,)?{CAPACITY}\]\S* sort\(", x)]
+
+
+@pytest.mark.parametrize("axis_name", [None, "r"], ids=["one device", "axis_name"])
+def test_held_step_compiles_to_no_sort_of_the_buffer_on_cpu(axis_name):
+    for name, fn, args in _programs(axis_name):
+        hlo = fn.lower(*args).compile().as_text()
+        everywhere = _buffer_sorts([x.strip() for x in hlo.splitlines()])
+        assert everywhere, f"{name}: the release's sort is missing from the program"
+        outside = _buffer_sorts(_every_call(hlo))
+        assert not outside, f"{name}: a held step sorts the buffer: {outside}"
+        if axis_name is None:
+            assert not [x for x in _every_call(hlo) if " sort(" in x], name
+
+
+# --------------------------------------------------------------------------- TPU / GPU lowering
+
+
+def _sorts_outside_branches(mlir: str) -> list[str]:
+    """Result types of the sorts `main` runs outside every `case`/`if` region, following
+    calls to private functions (found by reading the region nesting of the text)."""
+    funcs: dict[str, dict] = {}
+    current, stack = None, []
+    for raw in mlir.splitlines():
+        line = raw.strip()
+        header = re.match(r"func\.func (?:public |private )?@([\w.$-]+)\(", line)
+        if header:
+            current, stack = header.group(1), []
+            funcs[current] = {"sorts": [], "calls": []}
+            continue
+        if current is None:
+            continue
+        inside = any(kind in ("case", "if") for kind, _ in stack)
+        call = re.search(r"call @([\w.$-]+)\(", line)
+        if call and not inside:
+            funcs[current]["calls"].append(call.group(1))
+        popped = None
+        if line.startswith("}"):
+            if not stack:
+                current = None
+                continue
+            popped = stack.pop()
+            if popped[0] == "sort" and not popped[1] and not line.endswith("{"):
+                funcs[current]["sorts"].append(line.split("->")[-1].strip())
+        if line.endswith("{"):
+            if popped is not None:
+                stack.append(popped)
+            elif '"stablehlo.case"' in line or "stablehlo.if" in line:
+                stack.append(("case", inside))
+            elif '"stablehlo.sort"' in line:
+                stack.append(("sort", inside))
+            else:
+                stack.append(("other", inside))
+
+    def outside(name: str, seen: frozenset = frozenset()) -> list[str]:
+        if name in seen or name not in funcs:
+            return []
+        found = list(funcs[name]["sorts"])
+        for callee in funcs[name]["calls"]:
+            found += outside(callee, seen | {name})
+        return found
+
+    return outside("main")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("axis_name", [None, "r"], ids=["one device", "axis_name"])
+def test_sort_of_the_buffer_is_inside_the_release_branch_on_tpu_and_gpu(platform, axis_name):
+    for name, fn, args in _programs(axis_name):
+        mlir = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert '"stablehlo.sort"' in mlir, name
+        assert "stablehlo.while" not in mlir, f"{name}: the CPU loop form leaked into {platform}"
+        outside = _sorts_outside_branches(mlir)
+        buffer = [t for t in outside if re.search(rf"tensor<(\d+x)?{CAPACITY}xi32>", t)]
+        assert not buffer, f"{name} on {platform}: a held step sorts the buffer: {buffer}"
+        if axis_name is None:
+            assert not outside, f"{name} on {platform}: sorts outside the branch: {outside}"
+
+
+def test_the_guards_see_a_sort_outside_a_branch():
+    """The readers above are not blind: a sort of the buffer's size run on every step
+    is found, in the HLO and in both lowerings."""
+
+    def always_sorts(x):
+        return jnp.sort(x), jax.lax.cond(x[0] > 0, jnp.sort, lambda y: y, x)
+
+    x = jnp.arange(CAPACITY, dtype=jnp.int32)
+    hlo = jax.jit(always_sorts).lower(x).compile().as_text()
+    assert _buffer_sorts(_every_call(hlo))
+    for platform in ("tpu", "cuda"):
+        mlir = jax.jit(always_sorts).trace(x).lower(lowering_platforms=(platform,)).as_text()
+        assert len([t for t in _sorts_outside_branches(mlir) if f"{CAPACITY}xi32" in t]) == 1

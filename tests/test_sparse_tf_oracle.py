@@ -1,0 +1,110 @@
+"""sparse_conditional_accumulator against TF's SparseConditionalAccumulator itself.
+
+`tf_sparse_oracle.py` ran random programs through TensorFlow 2.21 and recorded every
+take in `data/sparse_tf_oracle.json` (regenerate with the command in that script).
+Here each program is replayed at every capacity from the most rows a window touches
+to beyond the table, with the default `sparse` (a row buffer while the capacity is
+below the table's rows, a dense leaf from there on): every release must be TF's take,
+and the counts and global step must follow TF's.
+
+TensorFlow is not a dependency. To check fresh programs, run the oracle script with
+another seed and point `OPTAX_ACCUM_TF_ORACLE` at its output:
+
+    /tmp/tfvenv/bin/python tests/tf_sparse_oracle.py /tmp/fresh.json --seed 7
+    OPTAX_ACCUM_TF_ORACLE=/tmp/fresh.json python -m pytest tests/test_sparse_tf_oracle.py
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_accum
+from optax_accum import IndexedSlices
+
+HERE = Path(__file__).resolve().parent
+NNZ = 4  # the most rows a recorded gradient has
+RECORDED = Path(os.environ.get("OPTAX_ACCUM_TF_ORACLE", HERE / "data" / "sparse_tf_oracle.json"))
+
+
+@functools.cache
+def _update(rows: int, dim: int, num_required: int, reduction: str, capacity: int):
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax.identity(), num_required, capacity=capacity, reduction=reduction
+    )
+    update = jax.jit(lambda g, s, ls: tx.update(g, s, local_step=ls))
+    return tx.init(jnp.zeros((rows, dim))), update
+
+
+def _window_rows(program: dict) -> int:
+    """The most distinct rows accepted between two takes."""
+    most, rows, global_step = 0, set(), 0
+    for step in program["steps"]:
+        if step["local_step"] >= global_step:
+            rows |= set(step["ids"])
+        most = max(most, len(rows))
+        if step["take"] is not None:
+            rows, global_step = set(), global_step + 1
+    return most
+
+
+def _capacities(program: dict) -> list[int]:
+    """The fewest rows that fit, one below the table (both row buffers), the table's
+    rows and beyond (both dense)."""
+    rows, fewest = program["rows"], max(_window_rows(program), 1)
+    return sorted({fewest, max(fewest, rows - 1), rows, rows + 2})
+
+
+def replay(program: dict) -> int:
+    """Replays one recorded program at every capacity; returns the takes compared."""
+    rows, dim = program["rows"], program["dim"]
+    compared = 0
+    for capacity in _capacities(program):
+        state, update = _update(rows, dim, program["num_required"], program["reduction"], capacity)
+        global_step = 0
+        for t, step in enumerate(program["steps"]):
+            # Padded to NNZ rows (padding id `rows`, zero values): one compile per setup.
+            ids = np.full(NNZ, rows, np.int32)
+            ids[: len(step["ids"])] = step["ids"]
+            values = np.zeros((NNZ, dim), np.float32)
+            values[: len(step["ids"])] = np.asarray(step["values"], np.float32).reshape(-1, dim)
+            g = IndexedSlices(jnp.asarray(ids), jnp.asarray(values), (rows, dim))
+            u, state = update(g, state, jnp.int32(step["local_step"]))
+            where = f"capacity {capacity}, step {t}"
+            assert int(state.count) == step["count"], where
+            assert int(state.num_overflowed) == 0, where
+            taken = step["take"]
+            assert bool(state.emitted) == (taken is not None), where
+            if taken is None:
+                continue
+            global_step += 1
+            expected = np.zeros((rows, dim), np.float32)
+            expected[taken["ids"]] = np.asarray(taken["values"], np.float32).reshape(-1, dim)
+            dense = np.asarray(u.to_dense() if isinstance(u, IndexedSlices) else u)
+            np.testing.assert_allclose(dense, expected, rtol=1e-6, atol=1e-7, err_msg=where)
+            if isinstance(u, IndexedSlices):
+                real = np.asarray(u.indices)[np.asarray(u.indices) < rows]
+                assert real.tolist() == taken["ids"], where
+            compared += 1
+        assert int(optax_accum.global_step(state)) == global_step
+    return compared
+
+
+def test_recorded_tf_programs_agree_at_every_capacity():
+    recorded = json.loads(RECORDED.read_text())
+    programs = recorded["programs"]
+    assert len(programs) >= 30
+    compared = sum(replay(p) for p in programs)
+    takes = sum(s["take"] is not None for p in programs for s in p["steps"])
+    assert takes >= 150 and compared >= 3 * takes  # every take, at several capacities
+    # The programs exercise both kinds of leaf, stale and future gradients, both rules.
+    assert {p["reduction"] for p in programs} == {"MEAN", "SUM"}
+    lags = {s["lag"] for p in programs for s in p["steps"]}
+    assert {-1, 0, 1} <= lags
