@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_accum
-from optax_accum import host
+from optax_accum.host import _dense, _device
 
 T = 10.0  # seconds: the bound on every take that should complete at once
 
@@ -279,7 +279,7 @@ def test_attributes_and_lower_step_warns():
 
 
 def _dense_cache_sizes():
-    kernels = (host._sum_as, host._add, host._finish_in_place, host._finish_copy)
+    kernels = (_dense._sum_as, _dense._add, _dense._finish_in_place, _dense._finish_copy)
     return [k._cache_size() for k in kernels]
 
 
@@ -342,13 +342,13 @@ def test_staging_buffers_are_reused(monkeypatch):
     # On a CPU device NumPy gradients are copied into pooled aligned buffers: in a
     # steady state of applies and takes, no new host buffer is allocated.
     allocated = []
-    real = host._aligned_empty
+    real = _device.aligned_empty
 
     def counting(shape, dtype):
         allocated.append(shape)
         return real(shape, dtype)
 
-    monkeypatch.setattr(host, "_aligned_empty", counting)
+    monkeypatch.setattr(_device, "aligned_empty", counting)
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(64,), reduction_type="SUM")
     for step in range(8):
         for i in range(7):
@@ -356,7 +356,7 @@ def test_staging_buffers_are_reused(monkeypatch):
         np.testing.assert_array_equal(take(acc), np.full(64, 21.0))
         if step == 1:
             warm = len(allocated)
-    assert 0 < warm <= 2 * host._MAX_PENDING
+    assert 0 < warm <= 2 * _dense._MAX_PENDING
     assert len(allocated) == warm
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_accum
-from optax_accum import host
+from optax_accum.host import _sparse
 
 T = 10.0
 
@@ -213,7 +213,12 @@ def test_grows_past_any_capacity():
 
 
 def _sparse_cache_sizes():
-    kernels = (host._scatter_add, host._scatter_fresh, host._gather_in_place, host._gather_copy)
+    kernels = (
+        _sparse._scatter_add,
+        _sparse._scatter_fresh,
+        _sparse._gather_in_place,
+        _sparse._gather_copy,
+    )
     return [k._cache_size() for k in kernels]
 
 
