@@ -126,7 +126,7 @@ class DenseCore(Core):
             array = self.device.own(grad)
         accepted = False
         try:
-            with self.lock:
+            with self.lock, self.device.precision():
                 batch = self.batch
                 if batch.grad_shape is not None and tuple(grad.shape) != batch.grad_shape:
                     raise ValueError(
@@ -143,34 +143,37 @@ class DenseCore(Core):
         return accepted
 
     def _add(self, batch: DenseBatch, array: Any, buffer: np.ndarray | None, flush: bool) -> None:
-        """Adds one accepted gradient to `batch` (lock held): queued, or with the queued
-        ones in one kernel when the queue is full or `flush` (a caller's array)."""
+        """Adds one accepted gradient to `batch` (lock held, in the accumulator's
+        precision): queued, or with the queued ones in one kernel when the queue is full
+        or `flush` (a caller's array)."""
         pending = (*batch.pending, (array, buffer))
-        aggregate, in_flight, freed = batch.aggregate, batch.in_flight, ()
+        shape, count, new = tuple(array.shape), batch.count + 1, None
         try:
             if flush or len(pending) == _MAX_PENDING:
                 grads = tuple(g for g, _ in pending)
-                with self.device.precision():
-                    if aggregate is None:
-                        aggregate = _sum_as(grads, dtype=self.acc_dtype)
-                    else:
-                        # Once the last add is done its inputs are free, and waiting for it
-                        # keeps one kernel in flight at most: applies never outrun the device.
-                        jax.block_until_ready(aggregate)
-                        aggregate = _add(aggregate, grads)
-                freed, in_flight = in_flight, tuple(b for _, b in pending if b is not None)
-                pending = ()
-            batch.aggregate, batch.pending, batch.in_flight, batch.grad_shape, batch.count = (
-                aggregate,
-                pending,
-                in_flight,
-                tuple(array.shape),
-                batch.count + 1,
-            )
-        except BaseException:
+                in_flight = tuple(b for _, b in pending if b is not None)
+                if batch.aggregate is None:
+                    new = (_sum_as(grads, dtype=self.acc_dtype), (), in_flight, shape, count)
+                else:
+                    # Once the last add is done its inputs are free, and waiting for it
+                    # keeps one kernel in flight at most: applies never outrun the device.
+                    jax.block_until_ready(batch.aggregate)
+                    new = (_add(batch.aggregate, grads), (), in_flight, shape, count)
+                freed = batch.in_flight
+            else:
+                new, freed = (batch.aggregate, pending, batch.in_flight, shape, count), ()
+            self._commit(batch, new)
+        except BaseException:  # finish an update whose kernel ran, or drop a consumed batch
+            if new is not None and batch.count != count:
+                self._commit(batch, new)
             self.discard_if_consumed(batch, batch.aggregate)
             raise
         self.device.recycle(freed)
+
+    @staticmethod
+    def _commit(batch: DenseBatch, new: tuple) -> None:
+        """Sets every field of `batch` at once (no interruption can land in between)."""
+        batch.aggregate, batch.pending, batch.in_flight, batch.grad_shape, batch.count = new
 
     def reduce(self, batch: DenseBatch) -> jax.Array:
         aggregate, pending = batch.aggregate, batch.pending

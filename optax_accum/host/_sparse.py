@@ -186,7 +186,7 @@ class SparseCore(Core):
         callers = self.device.is_callers(values)  # read by a kernel now, never kept
         if not callers:
             values = self.device.own(values)
-        with self.lock:
+        with self.lock, self.device.precision():
             batch = self.batch
             if batch.values_shape is not None and (
                 len(values.shape) != len(batch.values_shape)
@@ -211,48 +211,54 @@ class SparseCore(Core):
         nnz: int,
         ours: bool,
     ) -> None:
-        """Adds one accepted gradient's rows to `batch` (lock held), changing it in one
-        assignment once the kernel is dispatched."""
+        """Adds one accepted gradient's rows to `batch` (lock held, in the accumulator's
+        precision), changing it in one assignment once the kernel is dispatched."""
         values_shape = (0, *values.shape[1:])
         if nnz == 0:
             batch.values_shape, batch.count = values_shape, batch.count + 1
             return
-        rows, unsettled = batch.rows, batch.unsettled + 1
+        rows, count, new = batch.rows, batch.count + 1, None
         try:
             if rows is None and inverse is None and ours and values.dtype == self.acc_dtype:
                 # The first rows since the take, sorted and unique: they are the buffer.
-                ids, slots = unique, np.arange(nnz, dtype=np.int32)
-                counts, rows = np.ones(nnz, np.int64), values
+                ids, slots, counts = unique, np.arange(nnz, dtype=np.int32), np.ones(nnz, np.int64)
+                new = (values, ids, slots, counts, values_shape, 0, count)
             else:
                 ids, slots, counts, slot_of = self._place(batch, unique, inverse)
                 grow = rows is None or len(ids) > rows.shape[0]
                 capacity = max(self.capacity_hint, _bucket(len(ids))) if grow else rows.shape[0]
                 per_value = np.full(values.shape[0], capacity, np.int32)  # padding: dropped
                 per_value[:nnz] = slot_of
-                with self.device.precision():
-                    if grow:  # the first rows since the take, or more than fit
-                        rows = _scatter_fresh(
-                            rows, per_value, values, capacity=capacity, dtype=self.acc_dtype
-                        )
-                        unsettled = 1
-                    else:
-                        if unsettled > _MAX_UNSETTLED:  # a few scatters in flight at most
-                            rows.block_until_ready()
-                            unsettled = 1
-                        rows = _scatter_add(rows, per_value, values)
+                unsettled = 0 if grow else batch.unsettled + 1
+                if unsettled > _MAX_UNSETTLED:  # a few scatters in flight at most
+                    rows.block_until_ready()
+                    unsettled = 0
                 self.capacity_hint = max(self.capacity_hint, capacity)
-            (
-                batch.rows,
-                batch.sorted_ids,
-                batch.sorted_slots,
-                batch.row_counts,
-                batch.values_shape,
-                batch.unsettled,
-                batch.count,
-            ) = (rows, ids, slots, counts, values_shape, unsettled, batch.count + 1)
-        except BaseException:
+                bookkeeping = (ids, slots, counts, values_shape, unsettled, count)
+                if grow:  # the first rows since the take, or more than fit
+                    fresh = functools.partial(_scatter_fresh, capacity=capacity)
+                    new = (fresh(rows, per_value, values, dtype=self.acc_dtype), *bookkeeping)
+                else:
+                    new = (_scatter_add(rows, per_value, values), *bookkeeping)
+            self._commit(batch, new)
+        except BaseException:  # finish an update whose kernel ran, or drop a consumed batch
+            if new is not None and batch.count != count:
+                self._commit(batch, new)
             self.discard_if_consumed(batch, batch.rows)
             raise
+
+    @staticmethod
+    def _commit(batch: SparseBatch, new: tuple) -> None:
+        """Sets every field of `batch` at once (no interruption can land in between)."""
+        (
+            batch.rows,
+            batch.sorted_ids,
+            batch.sorted_slots,
+            batch.row_counts,
+            batch.values_shape,
+            batch.unsettled,
+            batch.count,
+        ) = new
 
     @staticmethod
     def _place(
