@@ -216,7 +216,6 @@ def _sparse_cache_sizes():
     kernels = (
         _sparse._scatter_add,
         _sparse._scatter_fresh,
-        _sparse._gather_in_place,
         _sparse._gather_copy,
     )
     return [k._cache_size() for k in kernels]
@@ -361,7 +360,6 @@ def test_a_take_whose_gather_fails_leaves_a_consistent_usable_accumulator(monkey
         calls.append(1)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(_sparse, "_gather_in_place", failing)
     monkeypatch.setattr(_sparse, "_gather_copy", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.take_grad(2, timeout=T)

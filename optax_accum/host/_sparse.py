@@ -59,7 +59,6 @@ def _gather(
     return taken.astype(dtype)
 
 
-_gather_in_place = jax.jit(_gather, donate_argnums=0, static_argnames=("mean", "dtype"))
 _gather_copy = jax.jit(_gather, static_argnames=("mean", "dtype"))
 
 
@@ -292,7 +291,6 @@ class SparseCore(Core):
             return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), dims
         rows, slots = batch.rows, batch.sorted_slots
         counts = batch.row_counts[slots]
-        capacity = rows.shape[0]
         if (
             (slots == np.arange(n)).all()
             and (not self.mean or (counts == 1).all())
@@ -300,13 +298,13 @@ class SparseCore(Core):
         ):
             taken = rows  # slots already sorted, nothing to divide: no kernel
         else:
-            order = np.zeros(capacity, np.int32)
+            # Gather a bucketed n rows, not the whole buffer (compiles once per bucket).
+            order = np.zeros(_bucket(n), np.int32)
             order[:n] = slots
-            padded_counts = np.ones(capacity, np.int32)
+            padded_counts = np.ones(_bucket(n), np.int32)
             padded_counts[:n] = counts
-            gather = _gather_in_place if rows.dtype == self.dtype else _gather_copy
-            taken = gather(rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
-        if capacity == n:
+            taken = _gather_copy(rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
+        if taken.shape[0] == n:
             return indices, taken, dims
         # Cut to the n real rows on the host: a device slice compiles once per n. On a
         # CPU device the cut is a view of `taken`, which nothing writes again.
