@@ -214,10 +214,12 @@ class ConditionalAccumulator(HostAccumulator):
 
     The aggregate is a JAX array on the default device, updated in place by jitted,
     buffer-donating adds (up to four accepted gradients wait to be added in one pass;
-    the take adds the rest and divides in the same pass); `take_grad` returns a
-    `jax.Array` of `dtype`. NumPy gradients are copied at once, so actors may reuse
-    their buffers; on a CPU device the copies go to a pool of aligned host buffers that
-    is reused, so memory holds the aggregate plus up to eight gradient-sized buffers.
+    the take adds the rest and divides in the same pass, in the taker's thread);
+    `take_grad` returns a `jax.Array` of `dtype`. NumPy gradients are copied at once,
+    so actors may reuse their buffers; on a CPU device the copies go to a pool of
+    aligned host buffers that is reused, so memory holds the aggregate plus up to
+    eight gradient-sized buffers. A JAX gradient is added by a kernel dispatched
+    before `apply_grad` returns, so the caller may donate or delete it right after.
 
     Differences from TF: every gradient is validated, stale or not; float16 and
     bfloat16 accumulate in float32 (returned in `dtype`); bfloat16 is supported and
@@ -285,7 +287,8 @@ class ConditionalAccumulator(HostAccumulator):
         waiting take, that take completes here and `global_step` advances at once.
 
         Args:
-          grad: a NumPy or JAX array of the accumulator's dtype (or Python numbers).
+          grad: a NumPy or JAX array of the accumulator's dtype (or Python numbers);
+            never kept: the caller may reuse, donate or delete it once this returns.
           local_step: the global step the gradient was computed at.
 
         Returns:
@@ -295,7 +298,8 @@ class ConditionalAccumulator(HostAccumulator):
         Raises:
           TypeError: for a wrong dtype or a non-int `local_step`.
           ValueError: for a shape incompatible with the accumulator's, or differing
-            from the gradients accumulated since the last take. Nothing changes.
+            from the gradients accumulated since the last take, or a deleted JAX
+            array. Nothing changes.
         """
         return self._core.apply(grad, local_step)
 
@@ -308,8 +312,9 @@ class ConditionalAccumulator(HostAccumulator):
         more than `num_required`.
 
         Args:
-          num_required: a positive int.
-          timeout: seconds to wait at most; None waits forever.
+          num_required: a positive int, or a 0-d integer NumPy or JAX array (as TF
+            takes a tensor).
+          timeout: seconds to wait at most; None or `float("inf")` waits forever.
 
         Returns:
           A `jax.Array` of the accumulator's dtype.
@@ -318,5 +323,8 @@ class ConditionalAccumulator(HostAccumulator):
           ValueError / TypeError: for a bad `num_required` or `timeout` (no change).
           TimeoutError: when `timeout` passed first; the take is withdrawn.
           concurrent.futures.CancelledError: if `cancel_waiting_takes` was called.
+          Any device error while reducing: the take had completed (the global step
+            advanced, the counter reset), and its gradients are lost with it; the
+            accumulator goes on, consistent and usable.
         """
         return self._core.take(num_required, timeout)

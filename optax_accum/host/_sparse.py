@@ -329,7 +329,8 @@ class SparseConditionalAccumulator(HostAccumulator):
 
     The rows live on a JAX device in a buffer that grows by powers of two (no fixed
     capacity); gradients' row counts are padded to powers of two, so compilations
-    stay bounded however the sizes vary. Row bookkeeping is NumPy on the host.
+    stay bounded however the sizes vary. Row bookkeeping is NumPy on the host. The
+    take sorts and divides the rows in the taker's thread.
 
     Differences from TF: a gradient means its dense tensor, so duplicate indices
     within one gradient are summed into one row that counts once, and unsorted input
@@ -392,8 +393,10 @@ class SparseConditionalAccumulator(HostAccumulator):
 
         Args:
           grad_indices: an integer vector of row ids (NumPy, JAX or a list).
-          grad_values: `[len(grad_indices), ...]` rows of the accumulator's dtype.
-          grad_shape: the gradient's dense shape, or None / empty.
+          grad_values: `[len(grad_indices), ...]` rows of the accumulator's dtype;
+            never kept: the caller may reuse, donate or delete them once this returns.
+          grad_shape: the gradient's dense shape (a sequence, or a NumPy or JAX
+            integer vector), or None / empty.
           local_step: the global step the gradient was computed at.
 
         Returns:
@@ -441,8 +444,8 @@ class SparseConditionalAccumulator(HostAccumulator):
         Served first come, first served, as `ConditionalAccumulator.take_grad`.
 
         Args:
-          num_required: a positive int.
-          timeout: seconds to wait at most; None waits forever.
+          num_required: a positive int, or a 0-d integer NumPy or JAX array.
+          timeout: seconds to wait at most; None or `float("inf")` waits forever.
 
         Returns:
           `(indices, values, shape)`: sorted unique int32 row ids, their rows (MEAN
@@ -460,8 +463,8 @@ class SparseConditionalAccumulator(HostAccumulator):
         """`take_grad`, returning an `IndexedSlices`.
 
         Args:
-          num_required: a positive int.
-          timeout: seconds to wait at most; None waits forever.
+          num_required: a positive int, or a 0-d integer NumPy or JAX array.
+          timeout: seconds to wait at most; None or `float("inf")` waits forever.
 
         Returns:
           `IndexedSlices(indices, values, shape)` as `take_grad` returns them.
