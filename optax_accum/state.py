@@ -129,28 +129,79 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     accumulated gradients and counts are left alone. Gradients tagged with a step below
     the new global step are stale from then on.
 
+    A batched state (say one made under `jax.vmap`, whose counters have leading batch
+    axes) takes a scalar, set in every element, or an integer array of the global
+    step's shape, one step per element; it warns if any element is lowered.
+
     Example:
-      >>> import optax, optax_accum, jax.numpy as jnp
+      >>> import jax, optax, optax_accum, jax.numpy as jnp
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=1)
       >>> state = optax_accum.set_global_step(tx.init(jnp.zeros(2)), 5)
       >>> _, state = tx.update(jnp.ones(2), state, local_step=4)  # stale: dropped
       >>> int(optax_accum.global_step(state)), int(optax_accum.num_accumulated(state))
       (5, 0)
+      >>> batched = jax.vmap(tx.init)(jnp.zeros((3, 2)))  # three optimizers
+      >>> optax_accum.global_step(optax_accum.set_global_step(batched, jnp.array([1, 2, 3])))
+      Array([1, 2, 3], dtype=int32)
     """
     if new_global_step is None:
         raise TypeError("new_global_step must be an integer scalar, got None")
     found = _step_state(state, "global_step")
-    new = _common.local_step_or(new_global_step, found.global_step, argname="new_global_step")
     old = found.global_step
+    batch_shape = tuple(np.shape(old))
+    if not batch_shape or np.ndim(new_global_step) == 0:
+        new = _common.local_step_or(new_global_step, old, argname="new_global_step")
+    else:
+        new = _batched_steps(new_global_step, batch_shape)
     concrete = not isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer)
-    if concrete and int(new) < int(old):
-        warnings.warn(
-            f"set_global_step: new global step {int(new)} is lower than the current "
-            f"{int(old)}; gradients tagged with older steps are accepted again",
-            stacklevel=2,
-        )
-    new = jnp.asarray(new, dtype=np.int32)
+    if concrete:
+        _warn_if_lowered(np.asarray(new), np.asarray(old))
+    new = jnp.broadcast_to(jnp.asarray(new, dtype=np.int32), batch_shape)
     return _replace(state, found, found._replace(global_step=new))
+
+
+def _batched_steps(steps: Any, batch_shape: tuple[int, ...]) -> Any:
+    """An array of global steps, one per element of a batched state, as int32; wider
+    integers saturate (a step from the far future stays in the future)."""
+    if not hasattr(steps, "dtype"):  # a nested list
+        steps = np.asarray(steps)
+    try:
+        dtype = jnp.result_type(steps)
+    except TypeError:
+        raise TypeError(
+            f"new_global_step must be an integer scalar or array, got {type(steps).__name__}"
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"new_global_step must be an integer scalar or array, got dtype {dtype}")
+    if tuple(steps.shape) != batch_shape:
+        raise ValueError(
+            f"new_global_step must be an integer scalar or have the global step's shape "
+            f"{batch_shape} (a batched state), got shape {tuple(steps.shape)}"
+        )
+    info, int32 = jnp.iinfo(dtype), np.iinfo(np.int32)
+    low, high = max(info.min, int32.min), min(info.max, int32.max)
+    if isinstance(steps, jax.Array):
+        return jnp.clip(steps, np.asarray(low, dtype), np.asarray(high, dtype)).astype(np.int32)
+    return np.clip(np.asarray(steps), low, high).astype(np.int32)
+
+
+def _warn_if_lowered(new: np.ndarray, old: np.ndarray) -> None:
+    lowered = np.broadcast_to(new, old.shape) < old
+    if not lowered.any():
+        return
+    if old.ndim == 0:
+        where = f"new global step {int(new)} is lower than the current {int(old)}"
+    else:
+        first = tuple(int(i) for i in np.argwhere(lowered)[0])
+        where = (
+            f"new global step is lower than the current one in {int(lowered.sum())} of "
+            f"{old.size} batch elements (first at index {first}: "
+            f"{int(np.broadcast_to(new, old.shape)[first])} < {int(old[first])})"
+        )
+    warnings.warn(
+        f"set_global_step: {where}; gradients tagged with older steps are accepted again",
+        stacklevel=3,
+    )
 
 
 __all__ = ["global_step", "has_updated", "num_accumulated", "set_global_step"]

@@ -979,6 +979,11 @@ def _sparse_take_after(acc: Any) -> list:
     return [indices.tolist(), np.asarray(values).tolist(), shape]
 
 
+def _deleted(x: jax.Array) -> jax.Array:
+    x.delete()
+    return x
+
+
 DENSE_TAKE = [2.0, 4.0]
 SPARSE_TAKE = [[0, 1, 3], [[2.0, 2.0], [0.0, 2.0], [5.0, 5.0]], (4, 2)]
 
@@ -1167,6 +1172,24 @@ STATEFUL_BAD: list[HostBad] = [
         TypeError,
         r"new_global_step must be an int, got None",
     ),
+    _dense(
+        "apply_grad/deleted jax array",
+        lambda a: a.apply_grad(_deleted(jnp.ones(2))),
+        ValueError,
+        r"grad must be a live array, got one whose buffer was deleted \(donated to a jit",
+    ),
+    _dense(
+        "take_grad/num_required vector",
+        lambda a: a.take_grad(np.array([1, 2]), timeout=WAIT),
+        TypeError,
+        r"num_required must be a positive int, got array\(\[1, 2\]\) \(ndarray\)",
+    ),
+    _dense(
+        "take_grad/num_required 0-d array 0",
+        lambda a: a.take_grad(jnp.array(0), timeout=WAIT),
+        ValueError,
+        r"num_required must be positive, but was 0",
+    ),
     _sparse_host(
         "apply_grad/float indices",
         lambda a: a.apply_grad(np.array([0.0]), ROW),
@@ -1232,6 +1255,18 @@ STATEFUL_BAD: list[HostBad] = [
         lambda a: a.apply_grad(np.array([0]), ROW, grad_shape="4,2"),
         ValueError,
         r"grad_shape must hold non-negative ints \(None or -1 for unknown dims\), got '4,2'",
+    ),
+    _sparse_host(
+        "apply_grad/grad_shape float array",
+        lambda a: a.apply_grad(np.array([0]), ROW, grad_shape=jnp.array([4.0, 2.0])),
+        ValueError,
+        r"grad_shape must hold non-negative ints \(None or -1 for unknown dims\), got Array",
+    ),
+    _sparse_host(
+        "apply_grad/deleted values",
+        lambda a: a.apply_grad(np.array([0]), _deleted(jnp.ones((1, 2)))),
+        ValueError,
+        r"grad_values must be a live array, got one whose buffer was deleted",
     ),
     _sparse_host(
         "apply_grad/local_step=0.5",

@@ -1,5 +1,6 @@
-"""Threads and the host accumulators: blocking takes, FIFO, timeouts, cancellation,
-shared_name, and a stress test.
+"""Threads and the host accumulators: parallel applies, blocking takes, shared_name
+(optax_accum/host/_core.py), and a stress test. The take queue's own tests (FIFO,
+deadlines, cancellation, interrupts) are in test_host_takes.py.
 
 Every wait is bounded: futures and joins have timeouts, and `wait_until` polls a
 condition for at most WAIT seconds, so a bug fails instead of hanging. No assertion
@@ -123,102 +124,6 @@ def test_blocking_take_released_by_applies_sparse(pool):
     indices, values, _ = future.result(timeout=WAIT)
     assert np.asarray(indices).tolist() == [0]
     np.testing.assert_array_equal(values, [[0, 20]])
-
-
-# --------------------------------------------------------------------------- FIFO
-
-
-def test_head_of_line_blocking(pool):
-    acc = dense("SUM")
-    first = pool.submit(acc.take_grad, 3, WAIT)
-    wait_until(lambda: acc.num_waiting_takes() == 1)
-    second = pool.submit(acc.take_grad, 1, WAIT)
-    wait_until(lambda: acc.num_waiting_takes() == 2)
-    acc.apply_grad(f32(1))  # enough for the later take(1), which must still wait
-    assert acc.num_waiting_takes() == 2 and acc.num_accumulated() == 1
-    assert not first.done() and not second.done()
-    acc.apply_grad(f32(2))
-    acc.apply_grad(f32(3))
-    assert float(first.result(timeout=WAIT)) == 6.0
-    assert not second.done() and acc.num_waiting_takes() == 1
-    acc.apply_grad(f32(7), local_step=1)
-    assert float(second.result(timeout=WAIT)) == 7.0
-    assert acc.global_step == 2
-
-
-def test_timed_out_head_lets_the_next_take_through(pool):
-    # Whatever the interleaving, take(1) gets the one gradient and take(3) times out.
-    acc = dense()
-    head = pool.submit(acc.take_grad, 3, 0.3)
-    wait_until(lambda: acc.num_waiting_takes() == 1)
-    behind = pool.submit(acc.take_grad, 1, WAIT)
-    wait_until(lambda: acc.num_waiting_takes() == 2 or head.done())
-    acc.apply_grad(f32(5))
-    assert isinstance(head.exception(timeout=WAIT), TimeoutError)
-    assert float(behind.result(timeout=WAIT)) == 5.0
-    assert acc.global_step == 1 and acc.num_waiting_takes() == 0
-
-
-# --------------------------------------------------------------------------- timeouts
-
-
-@pytest.mark.parametrize("make", [dense, sparse])
-def test_timeout_leaves_no_trace(make):
-    acc = make()
-
-    def apply(step=0):
-        if make is dense:
-            return acc.apply_grad(f32(4), local_step=step)
-        return acc.apply_grad([1], f32([[4, 4]]), local_step=step)
-
-    apply()
-    with pytest.raises(TimeoutError, match=r"take_grad\(2\) timed out"):
-        acc.take_grad(2, timeout=0.05)
-    assert (acc.global_step, acc.num_accumulated(), acc.num_waiting_takes()) == (0, 1, 0)
-    apply()
-    apply()  # the abandoned take(2) must not have consumed these
-    assert (acc.global_step, acc.num_accumulated()) == (0, 3)
-    out = acc.take_grad(3, timeout=0)
-    first = float(out) if make is dense else float(out[1][0, 0])
-    assert first == 4.0 and acc.global_step == 1
-
-
-def test_timeout_zero_and_bad_timeouts():
-    acc = dense()
-    with pytest.raises(TimeoutError):
-        acc.take_grad(1, timeout=0)
-    acc.apply_grad(f32(2))
-    for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]:
-        with pytest.raises(error, match="timeout must be None or"):
-            acc.take_grad(1, timeout=bad)
-    for bad, error in [(1.5, TypeError), (True, TypeError), (0, ValueError)]:
-        with pytest.raises(error, match="num_required must be"):
-            acc.take_grad(bad, timeout=0)
-    assert (acc.num_accumulated(), acc.num_waiting_takes()) == (1, 0)
-    assert float(acc.take_grad(1, timeout=0)) == 2.0
-
-
-# --------------------------------------------------------------------------- cancellation
-
-
-@pytest.mark.parametrize("make", [dense, sparse])
-def test_cancel_waiting_takes(pool, make):
-    acc = make()
-    if make is dense:
-        acc.apply_grad(f32(3))
-    else:
-        acc.apply_grad([0], f32([[3, 3]]))
-    futures = [pool.submit(acc.take_grad, 5, WAIT) for _ in range(3)]
-    wait_until(lambda: acc.num_waiting_takes() == 3)
-    assert acc.cancel_waiting_takes() == 3
-    for f in futures:
-        error = f.exception(timeout=WAIT)
-        assert isinstance(error, concurrent.futures.CancelledError)
-        assert "cancelled while waiting" in str(error)
-    assert (acc.num_waiting_takes(), acc.num_accumulated(), acc.global_step) == (0, 1, 0)
-    assert acc.cancel_waiting_takes() == 0
-    out = acc.take_grad(1, timeout=WAIT)  # still usable, the gradient still there
-    assert float(out if make is dense else out[1][0, 0]) == 3.0
 
 
 # --------------------------------------------------------------------------- shared_name

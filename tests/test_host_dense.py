@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_accum
-from optax_accum import host
+from optax_accum.host import _dense, _device
 
 T = 10.0  # seconds: the bound on every take that should complete at once
 
@@ -279,7 +279,7 @@ def test_attributes_and_lower_step_warns():
 
 
 def _dense_cache_sizes():
-    kernels = (host._sum_as, host._add, host._finish_in_place, host._finish_copy)
+    kernels = (_dense._sum_as, _dense._add, _dense._finish_in_place, _dense._finish_copy)
     return [k._cache_size() for k in kernels]
 
 
@@ -342,13 +342,13 @@ def test_staging_buffers_are_reused(monkeypatch):
     # On a CPU device NumPy gradients are copied into pooled aligned buffers: in a
     # steady state of applies and takes, no new host buffer is allocated.
     allocated = []
-    real = host._aligned_empty
+    real = _device.aligned_empty
 
     def counting(shape, dtype):
         allocated.append(shape)
         return real(shape, dtype)
 
-    monkeypatch.setattr(host, "_aligned_empty", counting)
+    monkeypatch.setattr(_device, "aligned_empty", counting)
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(64,), reduction_type="SUM")
     for step in range(8):
         for i in range(7):
@@ -356,7 +356,7 @@ def test_staging_buffers_are_reused(monkeypatch):
         np.testing.assert_array_equal(take(acc), np.full(64, 21.0))
         if step == 1:
             warm = len(allocated)
-    assert 0 < warm <= 2 * host._MAX_PENDING
+    assert 0 < warm <= 2 * _dense._MAX_PENDING
     assert len(allocated) == warm
 
 
@@ -424,3 +424,77 @@ def test_matches_reference_model(mean, program):
                 acc.apply_grad(f32([1, 2, 3]), local_step=op[1])
         assert (acc.global_step, acc.num_accumulated()) == (model.step, model.count)
         assert acc.num_waiting_takes() == 0
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_a_jax_gradient_donated_after_the_apply_is_not_lost():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(3,))
+    donate = jax.jit(lambda x: x * 0, donate_argnums=0)
+    grads = [jnp.full(3, float(x)) for x in (1, 2, 6)]
+    for g in grads:
+        acc.apply_grad(g)
+        donate(g)  # the caller reuses its buffer at once
+    assert all(g.is_deleted() for g in grads)
+    np.testing.assert_array_equal(take(acc), [3, 3, 3])
+    acc.apply_grad(f32([5, 5, 5]), local_step=1)
+    np.testing.assert_array_equal(take(acc), [5, 5, 5])  # nothing left over, no stale count
+
+
+def test_a_deleted_jax_gradient_is_rejected_and_changes_nothing():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    acc.apply_grad(f32([1, 2]))
+    gone = jnp.ones(2)
+    gone.delete()
+    with pytest.raises(ValueError, match="grad must be a live array, got one whose buffer was"):
+        acc.apply_grad(gone)
+    assert counters(acc) == (0, 1, 0, 0)
+    np.testing.assert_array_equal(take(acc), [1, 2])
+
+
+def _fail_once(monkeypatch, module, names):
+    """Makes the kernels `names` of `module` raise on their next call, once."""
+    calls = []
+    for name in names:
+        real = getattr(module, name)
+
+        def failing(*args, _real=real, **kwargs):
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("device lost")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, failing)
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["MEAN", "SUM"])
+def test_a_take_whose_reduction_fails_leaves_a_consistent_usable_accumulator(
+    monkeypatch, reduction
+):
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type=reduction)
+    acc.apply_grad(f32([1, 1]))
+    acc.apply_grad(f32([3, 3]))
+    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"])
+    with pytest.raises(RuntimeError, match="device lost"):
+        acc.take_grad(2, timeout=T)
+    assert calls
+    # The take took its gradients and failed with them: the count went with them.
+    assert counters(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
+    acc.apply_grad(f32([10, 10]), local_step=1)
+    acc.apply_grad(f32([20, 20]), local_step=1)
+    want = 15.0 if reduction == "MEAN" else 30.0
+    np.testing.assert_array_equal(take(acc, 2), [want, want])
+
+
+def test_an_apply_whose_add_fails_changes_nothing(monkeypatch):
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type="SUM")
+    for x in range(1, _dense._MAX_PENDING):  # the queue before one kernel adds them
+        acc.apply_grad(f32([x, 1]))
+    _fail_once(monkeypatch, _dense, ["_sum_as", "_add"])
+    with pytest.raises(RuntimeError, match="device lost"):
+        acc.apply_grad(f32([100, 1]))
+    assert counters(acc) == (0, _dense._MAX_PENDING - 1, 0, 0)
+    n = _dense._MAX_PENDING - 1
+    np.testing.assert_array_equal(take(acc, n), [n * (n + 1) / 2, n])

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_accum
-from optax_accum import host
+from optax_accum.host import _sparse
 
 T = 10.0
 
@@ -213,7 +213,11 @@ def test_grows_past_any_capacity():
 
 
 def _sparse_cache_sizes():
-    kernels = (host._scatter_add, host._scatter_fresh, host._gather_in_place, host._gather_copy)
+    kernels = (
+        _sparse._scatter_add,
+        _sparse._scatter_fresh,
+        _sparse._gather_copy,
+    )
     return [k._cache_size() for k in kernels]
 
 
@@ -314,3 +318,73 @@ def test_results_live_on_the_device():
     acc.apply_grad([0], f32([[1]]))
     indices, values, _ = acc.take_grad(1, timeout=T)
     assert isinstance(indices, jax.Array) and isinstance(values, jax.Array)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray])
+def test_grad_shape_may_be_a_numpy_or_jax_array(as_array):
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+    assert acc.apply_grad([1], f32([[1, 2]]), grad_shape=as_array([4, 2]))
+    assert acc.apply_grad([1], f32([[3, 4]]), grad_shape=as_array([-1, 2]))
+    with pytest.raises(ValueError, match="grad_shape dim 0 must be 4"):
+        acc.apply_grad([1], f32([[3, 4]]), grad_shape=as_array([5, 2]))
+    with pytest.raises(ValueError, match=r"grad_indices\[0\] = 3 exceeds grad_shape\[0\] = 3"):
+        optax_accum.SparseConditionalAccumulator(np.float32).apply_grad(
+            [3], f32([[1, 1]]), grad_shape=as_array([3, 2])
+        )
+    assert state(acc) == (0, 2, 0, 0)
+    assert take(acc)[0] == [1]
+
+
+def test_jax_values_donated_after_the_apply_are_not_lost():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+    donate = jax.jit(lambda x: x * 0, donate_argnums=0)
+    for ids, x in (([0, 1], 1.0), ([1, 3], 3.0)):
+        values = jnp.full((2, 2), x)
+        acc.apply_grad(ids, values)
+        donate(values)
+    indices, values, _ = take(acc)
+    assert indices == [0, 1, 3]
+    np.testing.assert_array_equal(values, [[1, 1], [2, 2], [3, 3]])
+
+
+def test_a_take_whose_gather_fails_leaves_a_consistent_usable_accumulator(monkeypatch):
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+    acc.apply_grad([2], f32([[1, 1]]))
+    acc.apply_grad([0, 2], f32([[2, 2], [3, 3]]))
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(_sparse, "_gather_copy", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        acc.take_grad(2, timeout=T)
+    assert calls and state(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
+    monkeypatch.undo()
+    acc.apply_grad([1], f32([[5, 5]]), local_step=1)
+    indices, values, _ = take(acc)
+    assert indices == [1]
+    np.testing.assert_array_equal(values, [[5, 5]])  # divided by 1: no stale count left
+
+
+def test_an_apply_whose_scatter_fails_changes_nothing(monkeypatch):
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2), reduction_type="SUM")
+    acc.apply_grad([0], f32([[1, 1]]))
+    acc.apply_grad([1], f32([[2, 2]]))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(_sparse, "_scatter_add", failing)
+    monkeypatch.setattr(_sparse, "_scatter_fresh", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        acc.apply_grad([0, 3], f32([[10, 10], [30, 30]]))
+    assert state(acc) == (0, 2, 0, 0)
+    monkeypatch.undo()
+    indices, values, _ = take(acc)
+    assert indices == [0, 1]
+    np.testing.assert_array_equal(values, [[1, 1], [2, 2]])

@@ -1,0 +1,44 @@
+"""TF-compatible host accumulators: threads apply gradients, a learner blocks on a take.
+
+TF1's `tf.ConditionalAccumulator` and `tf.sparse.SparseConditionalAccumulator` are
+stateful objects shared by threads: actors call `apply_grad(grad, local_step)`, and a
+learner calls `take_grad(num_required)`, which blocks until that many up-to-date
+gradients have arrived and returns their mean. `ConditionalAccumulator` and
+`SparseConditionalAccumulator` are the same objects in Python. The bookkeeping (step,
+counter, the queue of waiting takes) is plain Python under one lock; the aggregate
+lives on a JAX device and is updated by jitted kernels, and nothing recompiles for
+same-shape gradients.
+
+Rules shared by both (TF's):
+
+- A gradient is accepted iff `local_step >= global_step`; a stale one is dropped
+  silently. Every gradient is validated first, stale or not, and a rejected one
+  (ValueError/TypeError) leaves the accumulator exactly as it was.
+- Takes are served first come, first served, with head-of-line blocking: a waiting
+  `take_grad(3)` holds back a later `take_grad(1)`. A take completes inside the apply
+  that brings the count to its `num_required`: `global_step` advances at once, and
+  the gradients accepted so far (ALL of them; MEAN divides by their number) go to the
+  waiting thread, which reduces them while the counter and aggregate start again.
+- `take_grad(..., timeout=t)` raises `TimeoutError` after `t` seconds and leaves no
+  trace: the abandoned take never consumes gradients later. `timeout=None` or
+  `float("inf")` waits forever. `cancel_waiting_takes()` (TF's session close) makes
+  every waiting take raise `concurrent.futures.CancelledError`.
+- A non-empty `shared_name` returns the same underlying accumulator for every object
+  built with that name while one of them is alive; a different kind, dtype, shape,
+  reduction or `skip_nonfinite` under that name is a ValueError.
+
+Faults: an accumulator never keeps a caller's array past `apply_grad` (NumPy input is
+copied; a JAX array is copied or read by a kernel dispatched before the apply
+returns), so callers may reuse, donate or delete their arrays at once. An exception
+in any call, KeyboardInterrupt included, leaves the counter and the aggregate
+consistent and every other waiting take served or timing out at its deadline.
+
+Modules: `_takes` (the queue of takes and its deadlines), `_core` (step, counters,
+hand-off, shared names), `_dense` and `_sparse` (the two accumulators), `_args` and
+`_device` (argument checks, buffers the accumulator owns).
+"""
+
+from optax_accum.host._dense import ConditionalAccumulator
+from optax_accum.host._sparse import SparseConditionalAccumulator
+
+__all__ = ["ConditionalAccumulator", "SparseConditionalAccumulator"]

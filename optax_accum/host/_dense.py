@@ -1,0 +1,330 @@
+"""The dense host accumulator: `ConditionalAccumulator` and its device kernels.
+
+The aggregate lives on a JAX device and is updated by jitted kernels that donate its
+buffer; up to `_MAX_PENDING` accepted gradients wait to be added in one pass (which
+reads and writes the aggregate once per batch instead of once per gradient, with the
+rounding of one add at a time), and the take adds the rest and divides in the same
+pass. Nothing recompiles for same-shape gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_accum import _common
+from optax_accum.host import _args
+from optax_accum.host._core import Batch, Core, HostAccumulator
+
+_MAX_PENDING = 4  # dense gradients added per kernel at most
+
+
+# --------------------------------------------------------------------------- kernels
+# Module-level jits: every accumulator shares their compilation caches.
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _sum_as(grads: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """A fresh buffer holding the sum of `grads`, added left to right, in `dtype`."""
+    total = jnp.array(grads[0], dtype, copy=True)  # never aliases an input
+    for grad in grads[1:]:
+        total = total + grad.astype(dtype)
+    return total
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _add(aggregate: jax.Array, grads: tuple[jax.Array, ...]) -> jax.Array:
+    """`aggregate` plus each of `grads` in turn: the rounding of one add at a time."""
+    for grad in grads:
+        aggregate = aggregate + grad.astype(aggregate.dtype)
+    return aggregate
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()
+
+
+def _finish(
+    aggregate: jax.Array | None,
+    grads: tuple[jax.Array, ...],
+    count: jax.Array,
+    *,
+    mean: bool,
+    acc_dtype: Any,
+    dtype: Any,
+) -> jax.Array:
+    """The take's answer in one pass: the last pending gradients added, then the MEAN."""
+    if aggregate is None:  # a copy: the answer must not alias a (pooled) input
+        aggregate, grads = jnp.array(grads[0], acc_dtype, copy=True), grads[1:]
+    total = aggregate
+    for grad in grads:
+        total = total + grad.astype(acc_dtype)
+    if mean:
+        total = total / count.astype(acc_dtype)
+    return total.astype(dtype)
+
+
+_FINISH_STATIC = ("mean", "acc_dtype", "dtype")
+_finish_in_place = jax.jit(_finish, donate_argnums=0, static_argnames=_FINISH_STATIC)
+_finish_copy = jax.jit(_finish, static_argnames=_FINISH_STATIC)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class DenseBatch(Batch):
+    """The aggregate (None until the first add) and up to `_MAX_PENDING - 1` accepted
+    gradients not added yet, each `(array, staging buffer or None)`; `in_flight` are
+    the staging buffers the kernel that made `aggregate` reads. `grad_shape` is fixed
+    by the first gradient until the take."""
+
+    __slots__ = ("aggregate", "grad_shape", "in_flight", "pending")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aggregate: jax.Array | None = None
+        self.pending: tuple[tuple[Any, np.ndarray | None], ...] = ()
+        self.in_flight: tuple[np.ndarray, ...] = ()
+        self.grad_shape: tuple[int, ...] | None = None
+
+
+class DenseCore(Core):
+    kind = "ConditionalAccumulator"
+    staging_keep = 2 * _MAX_PENDING
+
+    def new_batch(self) -> DenseBatch:
+        return DenseBatch()
+
+    def finite(self, x: Any) -> bool:
+        """Whether `x` is finite; only asked under `skip_nonfinite` (it syncs)."""
+        if isinstance(x, np.ndarray):
+            return bool(np.isfinite(x).all())
+        with self.device.precision():
+            return bool(_all_finite(x))
+
+    def apply(self, grad: Any, local_step: Any) -> bool:
+        step = _args.check_step("local_step", local_step)
+        grad = _args.as_array(grad, self.dtype, "grad")
+        if not _args.compatible(tuple(grad.shape), self.shape):
+            raise ValueError(
+                f"grad must have a shape compatible with the accumulator's shape "
+                f"{_args.fmt(self.shape)}, got {tuple(grad.shape)}"
+            )
+        finite = self.finite(grad) if self.skip_nonfinite else True
+        callers = self.device.is_callers(grad)  # read now, never kept
+        buffer = None
+        if callers:
+            array = grad
+        elif self.device.is_cpu and not isinstance(grad, jax.Array):
+            array = buffer = self.device.stage(np.asarray(grad))
+        else:
+            array = self.device.own(grad)
+        accepted = False
+        try:
+            with self.lock, self.device.precision():
+                batch = self.batch
+                if batch.grad_shape is not None and tuple(grad.shape) != batch.grad_shape:
+                    raise ValueError(
+                        f"grad shape mismatch: expected {batch.grad_shape} (fixed by the first "
+                        f"gradient since the last take), got {tuple(grad.shape)}"
+                    )
+                accepted = self.admit(step, finite)
+                if accepted:
+                    self._add(batch, array, buffer, flush=callers)
+                    self.serve()
+        finally:
+            if not accepted:  # nothing reads it
+                self.device.recycle([buffer])
+        return accepted
+
+    def _add(self, batch: DenseBatch, array: Any, buffer: np.ndarray | None, flush: bool) -> None:
+        """Adds one accepted gradient to `batch` (lock held, in the accumulator's
+        precision): queued, or with the queued ones in one kernel when the queue is full
+        or `flush` (a caller's array)."""
+        pending = (*batch.pending, (array, buffer))
+        shape, count, new = tuple(array.shape), batch.count + 1, None
+        try:
+            if flush or len(pending) == _MAX_PENDING:
+                grads = tuple(g for g, _ in pending)
+                in_flight = tuple(b for _, b in pending if b is not None)
+                if batch.aggregate is None:
+                    new = (_sum_as(grads, dtype=self.acc_dtype), (), in_flight, shape, count)
+                else:
+                    # Once the last add is done its inputs are free, and waiting for it
+                    # keeps one kernel in flight at most: applies never outrun the device.
+                    jax.block_until_ready(batch.aggregate)
+                    new = (_add(batch.aggregate, grads), (), in_flight, shape, count)
+                freed = batch.in_flight
+            else:
+                new, freed = (batch.aggregate, pending, batch.in_flight, shape, count), ()
+            self._commit(batch, new)
+        except BaseException:  # finish an update whose kernel ran, or drop a consumed batch
+            if new is not None and batch.count != count:
+                self._commit(batch, new)
+            self.discard_if_consumed(batch, batch.aggregate)
+            raise
+        self.device.recycle(freed)
+
+    @staticmethod
+    def _commit(batch: DenseBatch, new: tuple) -> None:
+        """Sets every field of `batch` at once (no interruption can land in between)."""
+        batch.aggregate, batch.pending, batch.in_flight, batch.grad_shape, batch.count = new
+
+    def reduce(self, batch: DenseBatch) -> jax.Array:
+        aggregate, pending = batch.aggregate, batch.pending
+        buffers = (*batch.in_flight, *(b for _, b in pending))
+        if aggregate is None and len(pending) == 1:
+            only, buffer = pending[0]
+            if buffer is None and only.dtype == self.acc_dtype:  # our own copy: adopt it
+                aggregate, pending = only, ()
+        if not pending and (not self.mean or batch.count == 1) and aggregate.dtype == self.dtype:
+            result = aggregate  # nothing to add, divide or cast
+        else:
+            finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
+            result = finish(
+                aggregate,
+                tuple(g for g, _ in pending),
+                _common.int32(batch.count),
+                mean=self.mean,
+                acc_dtype=self.acc_dtype,
+                dtype=self.dtype,
+            )
+        jax.block_until_ready(result)  # the staging buffers it read are free now
+        self.device.recycle(buffers)
+        return result
+
+
+# --------------------------------------------------------------------------- public object
+
+
+class ConditionalAccumulator(HostAccumulator):
+    """A thread-safe accumulator of step-tagged dense gradients (TF's object).
+
+    Threads call `apply_grad(grad, local_step)`; a gradient is accepted iff
+    `local_step >= global_step`, and a stale one is dropped silently. A learner calls
+    `take_grad(num_required)`, which blocks until that many gradients have been
+    accepted, then returns their mean (or sum), advances `global_step` by one, and
+    resets the counter and aggregate. Takes queue first come, first served. See the
+    module docstring for the shared rules (timeouts, cancellation, `shared_name`).
+
+    The aggregate is a JAX array on the default device, updated in place by jitted,
+    buffer-donating adds (up to four accepted gradients wait to be added in one pass;
+    the take adds the rest and divides in the same pass, in the taker's thread);
+    `take_grad` returns a `jax.Array` of `dtype`. NumPy gradients are copied at once,
+    so actors may reuse their buffers; on a CPU device the copies go to a pool of
+    aligned host buffers that is reused, so memory holds the aggregate plus up to
+    eight gradient-sized buffers. A JAX gradient is added by a kernel dispatched
+    before `apply_grad` returns, so the caller may donate or delete it right after.
+
+    Differences from TF: every gradient is validated, stale or not; float16 and
+    bfloat16 accumulate in float32 (returned in `dtype`); bfloat16 is supported and
+    integer dtypes are a TypeError; an array gradient must already have `dtype`
+    (Python numbers and lists are converted); float64 stays float64 even when
+    `jax_enable_x64` is off; `reduction_type` may be lower case; `take_grad` takes a
+    `timeout`; `skip_nonfinite` is new.
+
+    Args:
+      dtype: float16, bfloat16, float32 or float64.
+      shape: the gradients' shape; None dims (or -1) are unknown, and `shape=None`
+        means any shape. The first gradient accepted after a take fixes the shape
+        until the next take.
+      shared_name: if non-empty, every accumulator built with this name (while one is
+        alive) is the same accumulator.
+      name: a name, for display.
+      reduction_type: "MEAN" (default) or "SUM", in any case.
+      skip_nonfinite: if True, a fresh gradient holding NaN or Inf is skipped and
+        counted in `num_nonfinite` instead of accepted (costs one device sync per
+        apply). Default False: accumulated as given, as TF does.
+
+    Raises:
+      TypeError / ValueError: for a bad argument, naming it; ValueError when
+        `shared_name` is in use by an accumulator of another kind, dtype, shape,
+        reduction or `skip_nonfinite`.
+
+    Example:
+      >>> import threading, numpy as np, optax_accum
+      >>> acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+      >>> workers = [
+      ...     threading.Thread(target=acc.apply_grad, args=(np.full(2, x, np.float32),))
+      ...     for x in (1.0, 2.0, 6.0)
+      ... ]
+      >>> for w in workers:
+      ...     w.start()
+      >>> acc.take_grad(3, timeout=10.0)  # blocks until three gradients are in
+      Array([3., 3.], dtype=float32)
+      >>> for w in workers:
+      ...     w.join()
+      >>> acc.apply_grad(np.ones(2, np.float32), local_step=0)  # stale now: dropped
+      False
+      >>> acc.global_step, acc.num_accumulated()
+      (1, 0)
+    """
+
+    _core_type = DenseCore
+
+    def __init__(
+        self,
+        dtype: Any,
+        shape: Any = None,
+        shared_name: str | None = None,
+        name: str = "conditional_accumulator",
+        reduction_type: str = "MEAN",
+        *,
+        skip_nonfinite: bool = False,
+    ) -> None:
+        super().__init__(dtype, shape, shared_name, name, reduction_type, skip_nonfinite)
+
+    def apply_grad(self, grad: Any, local_step: int = 0) -> bool:
+        """Offers a gradient computed at `local_step`; returns whether it was accepted.
+
+        A stale gradient (`local_step < global_step`) is dropped silently (returns
+        False). If the apply brings the count to the `num_required` of the oldest
+        waiting take, that take completes here and `global_step` advances at once.
+
+        Args:
+          grad: a NumPy or JAX array of the accumulator's dtype (or Python numbers);
+            never kept: the caller may reuse, donate or delete it once this returns.
+          local_step: the global step the gradient was computed at.
+
+        Returns:
+          True if accepted, False if dropped (stale, or non-finite under
+          `skip_nonfinite`).
+
+        Raises:
+          TypeError: for a wrong dtype or a non-int `local_step`.
+          ValueError: for a shape incompatible with the accumulator's, or differing
+            from the gradients accumulated since the last take, or a deleted JAX
+            array. Nothing changes.
+        """
+        return self._core.apply(grad, local_step)
+
+    def take_grad(self, num_required: int, timeout: float | None = None) -> jax.Array:
+        """Blocks until `num_required` gradients are in, then returns their aggregate.
+
+        Takes are served in the order they were called: a waiting take holds back
+        every later one. On completion the global step advances by one and the counter
+        and aggregate reset. MEAN divides by every accepted gradient, which can be
+        more than `num_required`.
+
+        Args:
+          num_required: a positive int, or a 0-d integer NumPy or JAX array (as TF
+            takes a tensor).
+          timeout: seconds to wait at most; None or `float("inf")` waits forever.
+
+        Returns:
+          A `jax.Array` of the accumulator's dtype.
+
+        Raises:
+          ValueError / TypeError: for a bad `num_required` or `timeout` (no change).
+          TimeoutError: when `timeout` passed first; the take is withdrawn.
+          concurrent.futures.CancelledError: if `cancel_waiting_takes` was called.
+          Any device error while reducing: the take had completed (the global step
+            advanced, the counter reset), and its gradients are lost with it; the
+            accumulator goes on, consistent and usable.
+        """
+        return self._core.take(num_required, timeout)

@@ -1,0 +1,120 @@
+"""The blocking queue of takes: first come, first served, each with its deadline.
+
+A `take_grad` queues a `Take` and sleeps on its own event, outside the accumulator's
+lock, so waking it never contends with the appliers. Whoever holds the lock when the
+head take's count is reached (an applier, or a taker on arrival) hands it the batch
+of gradients; the taker then reduces that batch in its own thread. A take leaves the
+queue only by being handed its batch, failed (cancelled) or withdrawn by its own
+thread (deadline passed, or interrupted), so none is ever left waiting unserved.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+
+class Take:
+    """One waiting `take_grad`: it ends handed a batch or failed with an error."""
+
+    __slots__ = ("batch", "error", "event", "num_required")
+
+    def __init__(self, num_required: int) -> None:
+        self.num_required = num_required
+        self.event = threading.Event()
+        self.batch: Any = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.batch is not None or self.error is not None
+
+    def hand(self, batch: Any) -> None:
+        self.batch = batch
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+
+class TakeQueue:
+    """The FIFO of waiting takes of one accumulator, guarded by that accumulator's `lock`.
+
+    `serve` (called with the lock held) hands the head its batch when there are enough
+    gradients. Methods other than `wait` expect the lock held by the caller.
+    """
+
+    def __init__(self, lock: threading.Lock, serve: Callable[[], None]) -> None:
+        self._lock = lock
+        self._serve = serve
+        self._takes: deque[Take] = deque()
+
+    def __len__(self) -> int:
+        return len(self._takes)
+
+    def head(self) -> Take | None:
+        return self._takes[0] if self._takes else None
+
+    def push(self, take: Take) -> None:
+        self._takes.append(take)
+
+    def pop_head(self) -> None:
+        self._takes.popleft()
+
+    def restore_head(self, take: Take) -> None:
+        """Puts `take` back in front if an interrupted hand-off had removed it."""
+        if self.head() is not take:
+            self._takes.appendleft(take)
+
+    def wake_head(self) -> None:
+        """Wakes the head's thread to serve itself (after an interrupted hand-off)."""
+        if self._takes:
+            self._takes[0].event.set()
+
+    def cancel_all(self, error: Callable[[Take], BaseException]) -> int:
+        cancelled = 0
+        while self._takes:
+            take = self._takes.popleft()
+            take.fail(error(take))
+            cancelled += 1
+        return cancelled
+
+    def wait(self, take: Take, timeout: float | None) -> bool:
+        """Queues `take` and blocks until it is done (True) or `timeout` seconds pass.
+
+        On a timeout or an exception (KeyboardInterrupt included) the take is withdrawn
+        unless it was served meanwhile, and the take behind it is served if it can be:
+        a withdrawn take leaves no trace. A wake-up that finds the take not done means
+        an interrupted hand-off asked its thread to serve itself.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            with self._lock:
+                self._takes.append(take)
+                self._serve()
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                # Event.wait refuses waits beyond TIMEOUT_MAX: wait in chunks.
+                if remaining is None or remaining > threading.TIMEOUT_MAX:
+                    remaining = threading.TIMEOUT_MAX
+                if take.event.wait(remaining):
+                    with self._lock:
+                        if take.done:
+                            return True
+                        take.event.clear()
+                        self._serve()
+        finally:
+            if not take.done:
+                with self._lock:
+                    if not take.done and take in self._takes:
+                        was_head = self.head() is take
+                        self._takes.remove(take)
+                        if was_head:
+                            self._serve()
+        return take.done

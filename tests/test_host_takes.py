@@ -1,0 +1,384 @@
+"""The queue of takes (optax_accum/host/_takes.py) through the public objects: FIFO,
+deadlines, cancellation, `num_required` values, and interrupts.
+
+Every wait is bounded: futures and joins have timeouts, and `wait_until` polls a
+condition for at most WAIT seconds, so a bug fails instead of hanging. No assertion
+depends on timing: each checks an outcome that every interleaving must produce.
+
+The interrupt tests raise KeyboardInterrupt, through a trace function, at each line
+in turn that the package runs during one call, in the calling thread only: the line
+where a real Ctrl-C would land is any of them.
+"""
+
+import concurrent.futures
+import dis
+import functools
+import pathlib
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_accum
+import optax_accum.host
+
+WAIT = 20.0  # seconds: the bound on any wait that should finish promptly
+HOST = pathlib.Path(optax_accum.host.__file__)
+HOST_CODE = str(HOST.parent if HOST.name == "__init__.py" else HOST)
+
+
+@pytest.fixture
+def pool():
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as executor:
+        yield executor
+
+
+def wait_until(predicate):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def dense(reduction="MEAN", **kwargs):
+    return optax_accum.ConditionalAccumulator(
+        np.float32, shape=(), reduction_type=reduction, **kwargs
+    )
+
+
+def sparse(reduction="MEAN", **kwargs):
+    return optax_accum.SparseConditionalAccumulator(
+        np.float32, shape=(2, 2), reduction_type=reduction, **kwargs
+    )
+
+
+# --------------------------------------------------------------------------- FIFO
+
+
+def test_head_of_line_blocking(pool):
+    acc = dense("SUM")
+    first = pool.submit(acc.take_grad, 3, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    second = pool.submit(acc.take_grad, 1, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 2)
+    acc.apply_grad(f32(1))  # enough for the later take(1), which must still wait
+    assert acc.num_waiting_takes() == 2 and acc.num_accumulated() == 1
+    assert not first.done() and not second.done()
+    acc.apply_grad(f32(2))
+    acc.apply_grad(f32(3))
+    assert float(first.result(timeout=WAIT)) == 6.0
+    assert not second.done() and acc.num_waiting_takes() == 1
+    acc.apply_grad(f32(7), local_step=1)
+    assert float(second.result(timeout=WAIT)) == 7.0
+    assert acc.global_step == 2
+
+
+def test_timed_out_head_lets_the_next_take_through(pool):
+    # Whatever the interleaving, take(1) gets the one gradient and take(3) times out.
+    acc = dense()
+    head = pool.submit(acc.take_grad, 3, 0.3)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    behind = pool.submit(acc.take_grad, 1, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 2 or head.done())
+    acc.apply_grad(f32(5))
+    assert isinstance(head.exception(timeout=WAIT), TimeoutError)
+    assert float(behind.result(timeout=WAIT)) == 5.0
+    assert acc.global_step == 1 and acc.num_waiting_takes() == 0
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_timeout_leaves_no_trace(make):
+    acc = make()
+
+    def apply(step=0):
+        if make is dense:
+            return acc.apply_grad(f32(4), local_step=step)
+        return acc.apply_grad([1], f32([[4, 4]]), local_step=step)
+
+    apply()
+    with pytest.raises(TimeoutError, match=r"take_grad\(2\) timed out"):
+        acc.take_grad(2, timeout=0.05)
+    assert (acc.global_step, acc.num_accumulated(), acc.num_waiting_takes()) == (0, 1, 0)
+    apply()
+    apply()  # the abandoned take(2) must not have consumed these
+    assert (acc.global_step, acc.num_accumulated()) == (0, 3)
+    out = acc.take_grad(3, timeout=0)
+    first = float(out) if make is dense else float(out[1][0, 0])
+    assert first == 4.0 and acc.global_step == 1
+
+
+def test_timeout_zero_and_bad_timeouts():
+    acc = dense()
+    with pytest.raises(TimeoutError):
+        acc.take_grad(1, timeout=0)
+    acc.apply_grad(f32(2))
+    for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]:
+        with pytest.raises(error, match="timeout must be None or"):
+            acc.take_grad(1, timeout=bad)
+    for bad, error in [(1.5, TypeError), (True, TypeError), (0, ValueError)]:
+        with pytest.raises(error, match="num_required must be"):
+            acc.take_grad(bad, timeout=0)
+    assert (acc.num_accumulated(), acc.num_waiting_takes()) == (1, 0)
+    assert float(acc.take_grad(1, timeout=0)) == 2.0
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_cancel_waiting_takes(pool, make):
+    acc = make()
+    if make is dense:
+        acc.apply_grad(f32(3))
+    else:
+        acc.apply_grad([0], f32([[3, 3]]))
+    futures = [pool.submit(acc.take_grad, 5, WAIT) for _ in range(3)]
+    wait_until(lambda: acc.num_waiting_takes() == 3)
+    assert acc.cancel_waiting_takes() == 3
+    for f in futures:
+        error = f.exception(timeout=WAIT)
+        assert isinstance(error, concurrent.futures.CancelledError)
+        assert "cancelled while waiting" in str(error)
+    assert (acc.num_waiting_takes(), acc.num_accumulated(), acc.global_step) == (0, 1, 0)
+    assert acc.cancel_waiting_takes() == 0
+    out = acc.take_grad(1, timeout=WAIT)  # still usable, the gradient still there
+    assert float(out if make is dense else out[1][0, 0]) == 3.0
+
+
+@pytest.mark.parametrize("timeout", [None, float("inf"), 1e300, 10 * threading.TIMEOUT_MAX])
+def test_unbounded_and_huge_timeouts_wait_for_the_gradients(pool, timeout):
+    acc = dense()
+    future = pool.submit(acc.take_grad, 1, timeout)
+    wait_until(lambda: acc.num_waiting_takes() == 1 or future.done())
+    assert not future.done(), future.exception()
+    acc.apply_grad(f32(7))
+    assert float(future.result(timeout=WAIT)) == 7.0
+
+
+def test_huge_timeout_on_a_served_take_and_inf_is_not_a_bad_timeout():
+    acc = dense()
+    acc.apply_grad(f32(3))
+    assert float(acc.take_grad(1, timeout=float("inf"))) == 3.0
+    with pytest.raises(ValueError, match="timeout must be None or >= 0"):
+        acc.take_grad(1, timeout=float("-inf"))
+
+
+# --------------------------------------------------------------------------- num_required
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+@pytest.mark.parametrize(
+    "n", [np.array(2), np.array(2, np.int64), jnp.array(2), jnp.array(2, jnp.uint8), np.int16(2)]
+)
+def test_num_required_may_be_a_0d_integer_array(make, n):
+    acc = make()
+    for _ in range(2):
+        if make is dense:
+            acc.apply_grad(f32(4))
+        else:
+            acc.apply_grad([0], f32([[4, 4]]))
+    out = acc.take_grad(n, timeout=WAIT)
+    assert float(out if make is dense else out[1][0, 0]) == 4.0
+    assert acc.global_step == 1
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (np.array([2]), TypeError, r"num_required must be a positive int, got array\(\[2\]\)"),
+        (jnp.array(2.0), TypeError, "num_required must be a positive int, got Array"),
+        (np.array(True), TypeError, "num_required must be a positive int"),
+        (np.array(0), ValueError, "num_required must be positive, but was 0"),
+        (jnp.array(-3), ValueError, "num_required must be positive, but was -3"),
+    ],
+)
+def test_bad_num_required_arrays_change_nothing(bad, error, match):
+    acc = dense()
+    acc.apply_grad(f32(5))
+    with pytest.raises(error, match=match):
+        acc.take_grad(bad, timeout=0)
+    assert (acc.num_accumulated(), acc.num_waiting_takes(), acc.global_step) == (1, 0, 0)
+
+
+# --------------------------------------------------------------------------- interrupts
+
+
+@functools.cache
+def _with_exits(code):
+    """Offsets where a `with` block calls `__exit__` (`None, None, None`, then the call).
+
+    A line event fires there, but a real KeyboardInterrupt cannot land between the block
+    and that call (CPython checks for signals at calls, not before them): skipped.
+    """
+    ins = list(dis.get_instructions(code))
+    return {
+        ins[k].offset
+        for k in range(len(ins) - 3)
+        if all(i.opname == "LOAD_CONST" and i.argval is None for i in ins[k : k + 3])
+        and ins[k + 3].opname in ("PRECALL", "CALL")
+        and ins[k + 3].arg == 2
+    }
+
+
+class Interrupt:
+    """Raises KeyboardInterrupt at the `n`-th line the host package runs in this thread."""
+
+    def __init__(self, n):
+        self.n, self.seen, self.fired = n, 0, False
+
+    def __enter__(self):
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc_info):
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename.startswith(HOST_CODE) else None
+
+    def _line(self, frame, event, arg):
+        if event == "line" and not self.fired and frame.f_lasti not in _with_exits(frame.f_code):
+            self.seen += 1
+            if self.seen == self.n:
+                self.fired = True
+                raise KeyboardInterrupt
+        return self._line
+
+
+def _every_line(run):
+    """Calls `run(Interrupt(n))` for n = 1, 2, ... until a call runs uninterrupted."""
+    for n in range(1, 1000):
+        interrupt = run(Interrupt(n))
+        if not interrupt.fired:
+            return n - 1
+    raise AssertionError("the call never finished")
+
+
+def _apply(acc, value, step=0, as_jax=False):
+    """Applies [value, 1] (a count column: SUM takes count their gradients)."""
+    grad = f32([value, 1])
+    if isinstance(acc, optax_accum.SparseConditionalAccumulator):
+        rows = jnp.asarray(grad[None]) if as_jax else grad[None]
+        return acc.apply_grad([1], rows, local_step=step)
+    return acc.apply_grad(jnp.asarray(grad) if as_jax else grad, local_step=step)
+
+
+def _taken(out):
+    if isinstance(out, tuple):  # sparse: the one row
+        return np.asarray(out[1])[0].tolist()
+    return np.asarray(out).tolist()
+
+
+def _assert_consistent(acc):
+    """The count matches the aggregate: a SUM take of everything counts as many."""
+    count = acc.num_accumulated()
+    _apply(acc, 1000, step=10**6)
+    assert _taken(acc.take_grad(count + 1, timeout=0))[1] == count + 1
+
+
+def _make(kind):
+    shape = (2,) if kind == "dense" else (2, 2)
+    cls = {
+        "dense": optax_accum.ConditionalAccumulator,
+        "sparse": optax_accum.SparseConditionalAccumulator,
+    }[kind]
+    return cls(np.float32, shape=shape, reduction_type="SUM")
+
+
+@pytest.mark.parametrize(("kind", "as_jax"), [("dense", False), ("dense", True), ("sparse", False)])
+def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax):
+    """A take waits for 2 gradients; the apply that brings the second is interrupted at
+    each line in turn. The take must get its result (from that gradient, or from a
+    later one tagged with the same step) or time out at its deadline: never hang, never
+    fail otherwise; and the counter must match the aggregate afterwards."""
+    deadline = 5.0
+
+    def run(interrupt):
+        acc = _make(kind)
+        _apply(acc, 1, as_jax=as_jax)
+        outcome = {}
+
+        def taker():
+            start = time.monotonic()
+            try:
+                outcome["result"] = _taken(acc.take_grad(2, timeout=deadline))
+            except BaseException as e:
+                outcome["error"], outcome["after"] = e, time.monotonic() - start
+
+        thread = threading.Thread(target=taker, daemon=True)
+        thread.start()
+        wait_until(lambda: acc.num_waiting_takes() == 1)
+        try:
+            with interrupt:
+                _apply(acc, 10, as_jax=as_jax)
+        except KeyboardInterrupt:
+            assert interrupt.fired
+        late = _apply(acc, 100, as_jax=as_jax)  # accepted only if the take still waits
+        thread.join(WAIT)
+        assert not thread.is_alive(), f"take still waiting after an interrupt at line {interrupt.n}"
+        if "error" in outcome:  # only the deadline may end it
+            assert isinstance(outcome["error"], TimeoutError), (interrupt.n, outcome["error"])
+            assert outcome["after"] >= deadline
+        else:
+            # Late and accepted: the interrupted gradient was left out, or counted with a
+            # hand-off undone (then the take gets all three, as TF's MEAN would).
+            expected = ([101, 2], [111, 3]) if late else ([11, 2],)
+            assert outcome["result"] in expected, interrupt.n
+            assert acc.global_step == 1
+        assert acc.num_waiting_takes() == 0
+        _assert_consistent(acc)
+        return interrupt
+
+    assert _every_line(run) > 10
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_an_interrupted_taker_never_orphans_the_take_behind_it(kind):
+    """Take A is interrupted at each line in turn (while queueing, waiting, being served
+    or reducing); take B, behind it, must still get a gradient, and nothing is counted
+    twice or lost from the accumulator."""
+
+    def run(interrupt):
+        acc = _make(kind)
+        outcome = {}
+
+        def first():
+            try:
+                with interrupt:
+                    outcome["a"] = _taken(acc.take_grad(1, timeout=WAIT))
+            except KeyboardInterrupt:
+                assert interrupt.fired
+                outcome["a"] = None
+
+        def second():
+            outcome["b"] = _taken(acc.take_grad(1, timeout=WAIT))
+
+        a = threading.Thread(target=first, daemon=True)
+        a.start()
+        wait_until(lambda: acc.num_waiting_takes() == 1 or not a.is_alive())
+        b = threading.Thread(target=second, daemon=True)
+        b.start()
+        wait_until(lambda: acc.num_waiting_takes() == (2 if a.is_alive() else 1))
+        _apply(acc, 1, step=10**6)
+        a.join(WAIT)
+        _apply(acc, 10, step=10**6)
+        b.join(WAIT)
+        assert not a.is_alive() and not b.is_alive(), f"a take hangs (line {interrupt.n})"
+        assert outcome["b"] in ([1, 1], [10, 1]), interrupt.n
+        if outcome["a"] is not None:
+            assert sorted([outcome["a"], outcome["b"]]) == [[1, 1], [10, 1]]
+        assert acc.num_waiting_takes() == 0
+        _assert_consistent(acc)
+        return interrupt
+
+    assert _every_line(run) > 10
