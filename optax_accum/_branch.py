@@ -40,22 +40,44 @@ from optax_accum.indexed_slices import apply_updates
 
 @dataclasses.dataclass(frozen=True)
 class _Traced:
-    """`fn` traced once: callable on a carry, with the traced consts as operands."""
+    """`fn` traced once: callable on a carry, with the traced consts as operands.
+
+    `shared` lists consts that are leaves of the params carried in `carry[1]` (the
+    fused train step), as (const position, params leaf): those are read from the
+    carry rather than passed again, or the branch would get one buffer twice, once to
+    read and once to update, and XLA would copy it.
+    """
 
     closed: ClosedJaxpr
     out_tree: Any
     out_shapes: Any
+    shared: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, fn: Callable, carry: Any) -> _Traced:
         closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(carry)
         return cls(closed, jax.tree.structure(out_shapes), out_shapes)
 
+    def reading_params_from_carry(self, params: Any) -> _Traced:
+        leaves = jax.tree.leaves(params)
+        shared = {}
+        for i, const in enumerate(self.closed.consts):
+            for j, leaf in enumerate(leaves):
+                if const is leaf:
+                    shared.setdefault(i, j)
+        return dataclasses.replace(self, shared=tuple(sorted(shared.items())))
+
     @property
     def consts(self) -> list:
-        return list(self.closed.consts)
+        skip = {i for i, _ in self.shared}
+        return [c for i, c in enumerate(self.closed.consts) if i not in skip]
 
     def __call__(self, consts: list, carry: Any) -> Any:
+        consts = list(consts)
+        if self.shared:
+            params = jax.tree.leaves(carry[1])
+            for i, j in self.shared:  # ascending positions: each lands where it was
+                consts.insert(i, params[j])
         run = jaxpr_as_fun(ClosedJaxpr(self.closed.jaxpr, consts))
         return self.out_tree.unflatten(run(*jax.tree.leaves(carry)))
 
@@ -231,6 +253,7 @@ def update_if(
     if fuse:
         operand = (state, params)
         traced = _Traced.of(lambda c: _with_params(fn, c), operand)
+        traced = traced.reading_params_from_carry(params)
     else:
         operand = state
         traced = _Traced.of(fn, operand)

@@ -35,15 +35,17 @@ NOT_CORE = {
     "test_oldest_versions.py",
     "test_orbax.py",
     "test_preemption.py",
+    "test_regression_guard_flax.py",
 }
 NOT_CORE_MODULES = {"embedding.py", "flax_train_state.py"}  # their doctests need Flax
 DESELECT = [
     # Orbax is a test-only dependency of the newest run.
     "tests/test_agn.py::test_checkpoint_resume_mid_round_is_bit_exact",
     # A memory guard on XLA's compiler, not on correctness: jax 0.8's XLA:CPU keeps
-    # about 30 kB of extra temporaries in a bfloat16 held step (float32 passes here,
-    # and bfloat16 passes from jax 0.9 on, in the newest run).
-    "tests/test_regression_guard.py::test_train_step_temporaries_are_at_most_the_updates[bfloat16]",
+    # about 13 kB more temporaries in a bfloat16 train step (42 kB against 30 kB
+    # allowed; float32 passes here, and bfloat16 from jax 0.9 on, in the newest run).
+    "tests/test_regression_guard.py::test_train_step_temporaries_are_the_release_mean_and_updates[canonical-bf16]",
+    "tests/test_regression_guard.py::test_train_step_temporaries_are_the_release_mean_and_updates[apply_gradients-bf16]",
 ]
 
 

@@ -1,0 +1,66 @@
+"""The structural guards of test_regression_guard.py for Flax's train steps.
+
+`optax_accum.TrainState.apply_gradients` (state donated) and `NNXOptimizer.update`
+(the model and optimizer split into one donated state): a held step runs `acc + g`
+and nothing else on a full-size array, copies nothing, and updates the state in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _hlo import every_call, full_size_counts
+from flax import nnx
+from test_regression_guard import ACCUMULATE_OPS, DTYPES, INNERS, array_leaves, make_params
+
+import optax_accum
+
+
+def check_held_step(compiled, donated, n: int) -> None:
+    ops = every_call(compiled.as_text())
+    counts = full_size_counts(ops)
+    opcodes = {op.opcode for op in ops}
+    assert "while" in opcodes, f"XLA:CPU decides with a 0-or-1-trip loop, got {sorted(opcodes)}"
+    assert set(counts) <= ACCUMULATE_OPS, counts
+    assert counts["add"] == n, counts
+    aliased = compiled.memory_analysis().alias_size_in_bytes
+    assert aliased >= sum(x.nbytes for x in array_leaves(donated))
+
+
+@DTYPES
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_train_state_held_step_touches_only_the_accumulator(inner, dtype):
+    params = make_params(dtype)
+    tx = optax_accum.conditional_accumulator(INNERS[inner](), num_required=4)
+    state = optax_accum.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g), donate_argnums=0)
+    check_held_step(step.lower(state, params).compile(), state, len(params))
+
+
+class Leaves(nnx.Module):
+    def __init__(self, params: dict) -> None:
+        for name, value in params.items():
+            setattr(self, name, nnx.Param(value))
+
+
+@DTYPES
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_nnx_held_step_touches_only_the_accumulator(inner, dtype):
+    params = make_params(dtype)
+    model = Leaves(params)
+    tx = optax_accum.conditional_accumulator(INNERS[inner](), num_required=4)
+    optimizer = optax_accum.NNXOptimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    grads = nnx.state(model, nnx.Param)
+
+    def step(state, grads):
+        model, optimizer = nnx.merge(graphdef, state)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    compiled = jax.jit(step, donate_argnums=0).lower(state, grads).compile()
+    check_held_step(compiled, state, len(params))
+    # The step runs: a fresh state gives a held step, parameters unchanged.
+    new_model, _ = nnx.merge(graphdef, jax.jit(step)(state, grads))
+    assert jnp.array_equal(new_model.w[...], params["w"])
