@@ -50,7 +50,7 @@ from flax.training import train_state
 import optax_accum
 
 LEAVES = 8
-SIZES = {"8M": (1024, 1024), "268M": (4096, 8192)}  # one leaf's shape; 8 leaves
+SIZES = {"8M": (1024, 1024), "268M": (4096, 8192), "64K": (128, 64)}  # a leaf; 8 leaves
 EVERY = 8  # gradients per release
 NEVER = 2**30  # a count that is never reached: every step holds
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -25,6 +25,7 @@ VENV = ROOT / ".venv-oldest"
 
 # The extras' tests, the multi-process suites, and this test itself stay out.
 NOT_CORE = {
+    "test_benchmarks.py",  # dense.py measures Flax TrainState and NNX too
     "test_bad_inputs.py",  # imports Flax at module level (its TrainState/embedding cases)
     "test_demo.py",
     "test_docs.py",
