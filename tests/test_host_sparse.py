@@ -215,7 +215,7 @@ def test_grows_past_any_capacity():
 def _sparse_cache_sizes():
     kernels = (
         _sparse._scatter_add,
-        _sparse._scatter_fresh,
+        _sparse._scatter_grow,
         _sparse._gather_copy,
     )
     return [k._cache_size() for k in kernels]
@@ -380,7 +380,7 @@ def test_an_apply_whose_scatter_fails_changes_nothing(monkeypatch):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(_sparse, "_scatter_add", failing)
-    monkeypatch.setattr(_sparse, "_scatter_fresh", failing)
+    monkeypatch.setattr(_sparse, "_scatter_grow", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.apply_grad([0, 3], f32([[10, 10], [30, 30]]))
     assert state(acc) == (0, 2, 0, 0)
