@@ -99,7 +99,7 @@ class SparseBatch(Batch):
     gradients touched it (MEAN divides by it). `values_shape` is fixed by the first
     gradient until the take."""
 
-    __slots__ = ("row_counts", "rows", "slot_ids", "unsettled", "values_shape")
+    __slots__ = ("answer", "row_counts", "rows", "slot_ids", "unsettled", "values_shape")
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,6 +108,7 @@ class SparseBatch(Batch):
         self.slot_ids = np.zeros(0, np.int64)
         self.row_counts = np.zeros(0, np.int64)
         self.unsettled = 0  # scatters dispatched since the last wait
+        self.answer: tuple | None = None  # (indices, rows, n) once the take's gather is dispatched
 
 
 class SlotHints:
@@ -375,18 +376,28 @@ class SparseCore(Core):
         slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
         return ids, counts, slot_of
 
+    def seal(self, batch: SparseBatch) -> None:
+        """Dispatches the take's gather as the batch is handed over, so it runs right
+        after the batch's own scatters, not behind the next batch's (lock held)."""
+        if batch.rows is None:
+            return
+        try:
+            with self.device.precision():
+                answer = self._answer(batch)
+        except Exception:  # left for the taker's `reduce` to meet again
+            return
+        batch.answer = answer
+        if answer[1] is not batch.rows:
+            self._recycle(batch.rows)
+
     def reduce(self, batch: SparseBatch) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
         dims = (self.shape[0] if self.shape and self.shape[0] is not None else -1,)
         dims += tuple(batch.values_shape[1:])
-        ids, order, segments = _sorted_slots(batch.slot_ids)
-        n = ids.shape[0]
-        indices = self.device.own(ids.astype(np.int32))
-        if n == 0:
-            return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), dims
-        counts = batch.row_counts[order]
-        if segments is not None:  # a row id in several slots: their counts add up
-            counts = np.bincount(segments, weights=counts, minlength=n).astype(np.int64)
-        taken = self._gather_rows(batch.rows, order, segments, counts)
+        if batch.answer is None:
+            batch.answer = self._answer(batch)
+            if batch.answer[1] is not batch.rows:
+                self._recycle(batch.rows)
+        indices, taken, n = batch.answer
         if taken.shape[0] == n:
             return indices, taken, dims
         # Cut to the n real rows on the host: a device slice compiles once per n. On a
@@ -394,6 +405,18 @@ class SparseCore(Core):
         cut = np.asarray(taken)[:n]
         values = jax.device_put(cut, may_alias=True) if self.device.is_cpu else self.device.own(cut)
         return indices, values, dims
+
+    def _answer(self, batch: SparseBatch) -> tuple[jax.Array, jax.Array, int]:
+        """The sorted row ids, the rows (at least as many, dispatched), and their count."""
+        ids, order, segments = _sorted_slots(batch.slot_ids)
+        n = ids.shape[0]
+        indices = self.device.own(ids.astype(np.int32))
+        if n == 0:
+            return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), 0
+        counts = batch.row_counts[order]
+        if segments is not None:  # a row id in several slots: their counts add up
+            counts = np.bincount(segments, weights=counts, minlength=n).astype(np.int64)
+        return indices, self._gather_rows(batch.rows, order, segments, counts), n
 
     def _gather_rows(
         self, rows: jax.Array, order: np.ndarray, segments: np.ndarray | None, counts: np.ndarray
@@ -422,7 +445,6 @@ class SparseCore(Core):
             padded_segments = np.full(size, size, np.int32)  # padding: dropped
             padded_segments[:n] = segments
             taken = _merge_copy(rows, padded_order, padded_segments, padded_counts, **how)
-        self._recycle(rows)
         return taken
 
 
