@@ -1,13 +1,17 @@
 """The sparse host accumulator: `SparseConditionalAccumulator` and its device kernels.
 
 Rows live on a JAX device in slots, in arrival order, in a buffer that grows by
-powers of two (no fixed capacity); the row ids, the slot of each and how many
-gradients touched it are NumPy on the host. A gradient's rows are scattered into
-their slots by one jitted kernel that donates the buffer; its row count is padded to
-a power of two, so compilations stay bounded however the sizes vary. The first
-gradient after a take, sorted and unique as TF expects, becomes the buffer itself,
-and a take whose slots are already in row order and need no division returns the
-buffer as it is.
+powers of two (no fixed capacity); the row id and count of each slot are NumPy on the
+host, and a table of hints (row id to slot) finds a gradient's slots in O(nnz). A
+gradient's rows are scattered into their slots by one jitted kernel that donates the
+buffer; its row count is padded to a power of two, so compilations stay bounded
+however the sizes vary. The first gradient after a take, sorted and unique as TF
+expects, becomes the buffer itself. When a batch is handed to a take, the thread
+handing it over sorts the slots by row id and dispatches the gather (so it runs right
+after the batch's scatters, not behind the next batch's); the taker then only waits
+for it. A take whose slots are already in row order and need no division returns the
+buffer as it is; otherwise the buffer is kept for a later batch (no fresh, zeroed
+allocation per batch: a slot is zeroed when it is assigned).
 """
 
 from __future__ import annotations
@@ -185,53 +189,68 @@ class SparseCore(Core):
                 f"grad_values must have one row per index: expected {indices.shape[0]} "
                 f"rows, got {values.shape[0]}"
             )
-        known = self.shape
-        grad_shape = _args.check_shape(grad_shape, "grad_shape")
-        if grad_shape and known is not None:
-            if len(grad_shape) < len(known):
-                raise ValueError(
-                    f"grad_shape must have rank at least {len(known)} (the accumulator's "
-                    f"shape {_args.fmt(known)}), got {_args.fmt(grad_shape)}"
-                )
-            for i, (k, g) in enumerate(zip(known, grad_shape, strict=False)):
-                if k is not None and g is not None and k != g:
-                    raise ValueError(
-                        f"grad_shape dim {i} must be {k} (the accumulator's shape "
-                        f"{_args.fmt(known)}), got {g}"
-                    )
+        grad_shape = self._check_grad_shape(grad_shape)
         host = np.asarray(jax.device_get(indices)).astype(np.int64, copy=False)
         if host.size:
-            low = int(host.argmin())
-            if host[low] < 0:
-                raise ValueError(
-                    f"grad_indices[{low}] = {host[low]} is negative; indices must be row ids"
-                )
-            high = int(host.argmax())
-            limit = known[0] if known else None
-            if limit is not None and host[high] >= limit:
-                raise ValueError(
-                    f"grad_indices[{high}] = {host[high]} exceeds the accumulator's "
-                    f"shape[0] = {limit}"
-                )
-            if grad_shape and grad_shape[0] is not None and host[high] >= grad_shape[0]:
-                raise ValueError(
-                    f"grad_indices[{high}] = {host[high]} exceeds grad_shape[0] = {grad_shape[0]}"
-                )
-            if host[high] > _INT32_MAX:
-                raise ValueError(f"grad_indices[{high}] = {host[high]} does not fit in int32")
-        if known is not None:
-            if len(values.shape) < len(known):
-                raise ValueError(
-                    f"grad_values must have rank at least {len(known)} (the accumulator's "
-                    f"shape {_args.fmt(known)}), got shape {list(values.shape)}"
-                )
-            for i in range(1, len(known)):
-                if known[i] is not None and known[i] != values.shape[i]:
-                    raise ValueError(
-                        f"grad_values dim {i} must be {known[i]} (the accumulator's shape "
-                        f"{_args.fmt(known)}), got {values.shape[i]}"
-                    )
+            self._check_row_ids(host, grad_shape)
+        self._check_values_shape(values)
         return host, values
+
+    def _check_grad_shape(self, grad_shape: Any) -> _args.Shape | None:
+        """`grad_shape` as a shape, checked against the accumulator's."""
+        known = self.shape
+        grad_shape = _args.check_shape(grad_shape, "grad_shape")
+        if not grad_shape or known is None:
+            return grad_shape
+        if len(grad_shape) < len(known):
+            raise ValueError(
+                f"grad_shape must have rank at least {len(known)} (the accumulator's "
+                f"shape {_args.fmt(known)}), got {_args.fmt(grad_shape)}"
+            )
+        for i, (k, g) in enumerate(zip(known, grad_shape, strict=False)):
+            if k is not None and g is not None and k != g:
+                raise ValueError(
+                    f"grad_shape dim {i} must be {k} (the accumulator's shape "
+                    f"{_args.fmt(known)}), got {g}"
+                )
+        return grad_shape
+
+    def _check_row_ids(self, host: np.ndarray, grad_shape: _args.Shape | None) -> None:
+        """Non-empty host indices: row ids below every known dim 0, within int32."""
+        low = int(host.argmin())
+        if host[low] < 0:
+            raise ValueError(
+                f"grad_indices[{low}] = {host[low]} is negative; indices must be row ids"
+            )
+        high = int(host.argmax())
+        limit = self.shape[0] if self.shape else None
+        if limit is not None and host[high] >= limit:
+            raise ValueError(
+                f"grad_indices[{high}] = {host[high]} exceeds the accumulator's shape[0] = {limit}"
+            )
+        if grad_shape and grad_shape[0] is not None and host[high] >= grad_shape[0]:
+            raise ValueError(
+                f"grad_indices[{high}] = {host[high]} exceeds grad_shape[0] = {grad_shape[0]}"
+            )
+        if host[high] > _INT32_MAX:
+            raise ValueError(f"grad_indices[{high}] = {host[high]} does not fit in int32")
+
+    def _check_values_shape(self, values: Any) -> None:
+        """The values' rank and row dims against the accumulator's shape."""
+        known = self.shape
+        if known is None:
+            return
+        if len(values.shape) < len(known):
+            raise ValueError(
+                f"grad_values must have rank at least {len(known)} (the accumulator's "
+                f"shape {_args.fmt(known)}), got shape {list(values.shape)}"
+            )
+        for i in range(1, len(known)):
+            if known[i] is not None and known[i] != values.shape[i]:
+                raise ValueError(
+                    f"grad_values dim {i} must be {known[i]} (the accumulator's shape "
+                    f"{_args.fmt(known)}), got {values.shape[i]}"
+                )
 
     def apply(self, indices: Any, values: Any, grad_shape: Any, local_step: Any) -> bool:
         step = _args.check_step("local_step", local_step)
@@ -478,7 +497,8 @@ class SparseConditionalAccumulator(HostAccumulator):
     The rows live on a JAX device in a buffer that grows by powers of two (no fixed
     capacity); gradients' row counts are padded to powers of two, so compilations
     stay bounded however the sizes vary. Row bookkeeping is NumPy on the host. The
-    take sorts and divides the rows in the taker's thread.
+    thread that completes a take's count dispatches its gather (sorted rows, divided
+    under MEAN); the taker waits for it.
 
     Differences from TF: a gradient means its dense tensor, so duplicate indices
     within one gradient are summed into one row that counts once, and unsorted input
