@@ -25,6 +25,10 @@ ConditionalAccumulator`); its sparse one only exists in graph mode, so it runs t
 a `tf.compat.v1.Session` with fed placeholders, as TF1 code used it. Without
 `--tf-python` (and with TF not importable here), only our figures are printed.
 
+The script imports the installed `optax_accum`; to measure a checkout that is not the
+installed one, run it with `PYTHONPATH=.` from that checkout (the JSON records which
+was imported).
+
 Prints a table with the ratio ours/TF of the median rates and the median of per-round
 ratios (paired; target: >= 1.0, at least as fast) and writes
 `benchmarks/results/host.json`.
@@ -290,6 +294,7 @@ def main() -> None:
         return
 
     ours = Ours(sync_cpu=args.sync_cpu)
+    print(f"optax_accum from {Path(ours.lib.__file__).parent}")
     tf = RemoteTF(args.tf_python) if args.tf_python else tf_in_process()
     if tf is None:
         print("TensorFlow is not importable here and --tf-python was not given: no ratios.")
@@ -344,6 +349,7 @@ def main() -> None:
             "load_average": os.getloadavg(),
         },
         "tensorflow": tf.version if tf is not None else None,
+        "optax_accum": ours.lib.__file__,
         "setup": {
             "dense_size": DENSE_SIZE,
             "sparse": {"rows": ROWS, "row_dim": ROW_DIM, "nnz": NNZ, "pool": POOL},

@@ -215,8 +215,9 @@ def test_grows_past_any_capacity():
 def _sparse_cache_sizes():
     kernels = (
         _sparse._scatter_add,
-        _sparse._scatter_fresh,
+        _sparse._scatter_grow,
         _sparse._gather_copy,
+        _sparse._merge_copy,
     )
     return [k._cache_size() for k in kernels]
 
@@ -380,7 +381,7 @@ def test_an_apply_whose_scatter_fails_changes_nothing(monkeypatch):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(_sparse, "_scatter_add", failing)
-    monkeypatch.setattr(_sparse, "_scatter_fresh", failing)
+    monkeypatch.setattr(_sparse, "_scatter_grow", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.apply_grad([0, 3], f32([[10, 10], [30, 30]]))
     assert state(acc) == (0, 2, 0, 0)
@@ -388,3 +389,87 @@ def test_an_apply_whose_scatter_fails_changes_nothing(monkeypatch):
     indices, values, _ = take(acc)
     assert indices == [0, 1]
     np.testing.assert_array_equal(values, [[1, 1], [2, 2]])
+
+
+# --------------------------------------------------------------------------- slots and buffers
+
+
+def test_a_taken_batch_buffer_is_reused_with_no_stale_rows():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(64, 2), reduction_type="SUM")
+    for ids in (np.arange(20, 60), np.arange(40)):  # slots out of row order: a gather
+        acc.apply_grad(ids, np.ones((40, 2), np.float32))
+    take(acc)
+    spare = acc.accumulator_ref.spare
+    assert spare is not None and spare.shape[0] >= 60
+    first = np.arange(16, dtype=np.float32).reshape(8, 2)
+    acc.apply_grad(np.arange(8), first, local_step=1)  # 8 rows: the buffer, full
+    acc.apply_grad([7, 9], f32([[10, 20], [30, 40]]), local_step=1)  # grows into the spare
+    assert acc.accumulator_ref.batch.rows.shape == spare.shape and spare.is_deleted()
+    indices, values, _ = take(acc)
+    assert indices == [*range(8), 9]
+    want = np.concatenate([first, [[30, 40]]])
+    want[7] += [10, 20]
+    np.testing.assert_array_equal(values, want)
+
+
+def test_a_spare_of_another_row_shape_is_not_reused():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, reduction_type="SUM")
+    acc.apply_grad([0, 1], f32([[1, 1], [2, 2]]))
+    acc.apply_grad([1, 2], f32([[3, 3], [4, 4]]))
+    take(acc)
+    acc.apply_grad([0], f32([[1, 1, 1]]), local_step=1)
+    acc.apply_grad([3], f32([[2, 2, 2]]), local_step=1)
+    indices, values, _ = take(acc)
+    assert indices == [0, 3]
+    np.testing.assert_array_equal(values, [[1, 1, 1], [2, 2, 2]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mean=st.booleans(),
+    limit=st.sampled_from([1, 2, 8, 1 << 22]),
+    batches=st.lists(
+        st.lists(st.lists(st.integers(0, 300), max_size=10), min_size=1, max_size=5),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_per_row_mean_matches_float64_whatever_the_hint_table(mean, limit, batches):
+    """Past its limit the hint table shares entries, a row id can get several slots,
+    and the take adds them up: the answer must not change."""
+    acc = optax_accum.SparseConditionalAccumulator(
+        np.float32, shape=(None, 2), reduction_type="MEAN" if mean else "SUM"
+    )
+    acc.accumulator_ref.hints.limit = limit
+    rng = np.random.default_rng(len(batches))
+    for step, batch in enumerate(batches):
+        total, touched = {}, {}
+        for ids in batch:
+            values = rng.standard_normal((len(ids), 2)).astype(np.float32)
+            acc.apply_grad(np.array(ids, np.int64), values, local_step=step)
+            dense = {}
+            for i, v in zip(ids, values.astype(np.float64), strict=True):
+                dense[i] = dense.get(i, 0.0) + v
+            for i, v in dense.items():
+                total[i] = total.get(i, 0.0) + v
+                touched[i] = touched.get(i, 0) + 1
+        indices, values, _ = acc.take_grad(len(batch), timeout=T)
+        keys = sorted(total)
+        want = [total[k] / (touched[k] if mean else 1) for k in keys]
+        assert np.asarray(indices).tolist() == keys
+        np.testing.assert_allclose(
+            np.asarray(values, np.float64), np.reshape(want, (-1, 2)), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_row_in_two_slots_is_merged_by_the_take():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(None, 1))
+    acc.accumulator_ref.hints.limit = 1  # every row id shares one entry
+    acc.apply_grad([3, 5], f32([[1], [2]]))
+    acc.apply_grad([5], f32([[4]]))  # 5's hint names 3... or 5's slot: never wrong
+    acc.apply_grad([3], f32([[7]]))  # 3's hint was overwritten by 5's: a second slot
+    batch = acc.accumulator_ref.batch
+    assert sorted(batch.slot_ids.tolist()) == [3, 3, 5]
+    indices, values, _ = take(acc, 3)
+    assert indices == [3, 5]
+    np.testing.assert_array_equal(values, [[4], [3]])  # (1 + 7) / 2, (2 + 4) / 2

@@ -80,6 +80,11 @@ class Core:
     def reduce(self, batch: Batch) -> Any:
         raise NotImplementedError
 
+    def seal(self, batch: Batch) -> None:
+        """Called as `batch` is handed to a take (lock held): kinds may start its
+        reduction here, on the device ahead of the next batch's work. Any failure must
+        be left for `reduce` to meet again, in the taker's thread."""
+
     # ------------------------------------------------------------------ apply
 
     def admit(self, local_step: int, finite: bool) -> bool:
@@ -108,6 +113,7 @@ class Core:
             return
         batch, step, empty = self.batch, self.global_step, self.new_batch()
         try:
+            self.seal(batch)
             self.takes.pop_head()
             self.batch, self.global_step = empty, step + 1  # one step: no interruption inside
             head.hand(batch)

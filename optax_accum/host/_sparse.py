@@ -1,13 +1,17 @@
 """The sparse host accumulator: `SparseConditionalAccumulator` and its device kernels.
 
 Rows live on a JAX device in slots, in arrival order, in a buffer that grows by
-powers of two (no fixed capacity); the row ids, the slot of each and how many
-gradients touched it are NumPy on the host. A gradient's rows are scattered into
-their slots by one jitted kernel that donates the buffer; its row count is padded to
-a power of two, so compilations stay bounded however the sizes vary. The first
-gradient after a take, sorted and unique as TF expects, becomes the buffer itself,
-and a take whose slots are already in row order and need no division returns the
-buffer as it is.
+powers of two (no fixed capacity); the row id and count of each slot are NumPy on the
+host, and a table of hints (row id to slot) finds a gradient's slots in O(nnz). A
+gradient's rows are scattered into their slots by one jitted kernel that donates the
+buffer; its row count is padded to a power of two, so compilations stay bounded
+however the sizes vary. The first gradient after a take, sorted and unique as TF
+expects, becomes the buffer itself. When a batch is handed to a take, the thread
+handing it over sorts the slots by row id and dispatches the gather (so it runs right
+after the batch's scatters, not behind the next batch's); the taker then only waits
+for it. A take whose slots are already in row order and need no division returns the
+buffer as it is; otherwise the buffer is kept for a later batch (no fresh, zeroed
+allocation per batch: a slot is zeroed when it is assigned).
 """
 
 from __future__ import annotations
@@ -32,34 +36,56 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 # Module-level jits: every accumulator shares their compilation caches.
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter_add(rows: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """Adds `values[i]` to `rows[slots[i]]`; slots out of range are padding, dropped."""
+def _fill(rows: jax.Array, fresh: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """Zeroes the slots `fresh` (newly assigned: unused slots may hold anything), then
+    adds `values[i]` to `rows[slots[i]]`; slots out of range are padding, dropped."""
+    rows = rows.at[fresh].set(jnp.zeros((), rows.dtype), mode="drop")
     return rows.at[slots].add(values.astype(rows.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "dtype"))
-def _scatter_fresh(
-    rows: jax.Array | None, slots: jax.Array, values: jax.Array, capacity: int, dtype: Any
-) -> jax.Array:
-    """`_scatter_add` into a new buffer of `capacity` rows holding `rows` (or zeros)."""
-    fresh = jnp.zeros((capacity, *values.shape[1:]), dtype)
-    if rows is not None:
-        fresh = jax.lax.dynamic_update_slice_in_dim(fresh, rows, 0, axis=0)
-    return fresh.at[slots].add(values.astype(dtype), mode="drop")
+_scatter_add = jax.jit(_fill, donate_argnums=0)
 
 
-def _gather(
-    rows: jax.Array, order: jax.Array, counts: jax.Array, *, mean: bool, dtype: Any
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_grow(
+    spare: jax.Array, rows: jax.Array, fresh: jax.Array, slots: jax.Array, values: jax.Array
 ) -> jax.Array:
-    """`rows[order]`, each divided by its count under MEAN (padding counts are 1)."""
-    taken = rows[order]
+    """`_scatter_add` into `spare`, a buffer with more slots, after copying `rows` in."""
+    spare = jax.lax.dynamic_update_slice_in_dim(spare, rows.astype(spare.dtype), 0, axis=0)
+    return _fill(spare, fresh, slots, values)
+
+
+def _divide(taken: jax.Array, counts: jax.Array, mean: bool, dtype: Any) -> jax.Array:
+    """`taken` with each row divided by its count under MEAN (padding counts are 1)."""
     if mean:
-        taken = taken / counts.astype(rows.dtype).reshape((-1,) + (1,) * (rows.ndim - 1))
+        taken = taken / counts.astype(taken.dtype).reshape((-1,) + (1,) * (taken.ndim - 1))
     return taken.astype(dtype)
 
 
-_gather_copy = jax.jit(_gather, static_argnames=("mean", "dtype"))
+@functools.partial(jax.jit, static_argnames=("mean", "dtype"))
+def _gather_copy(
+    rows: jax.Array, order: jax.Array, counts: jax.Array, *, mean: bool, dtype: Any
+) -> jax.Array:
+    """`rows[order]`, each divided by its count under MEAN."""
+    return _divide(rows[order], counts, mean, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("mean", "dtype"))
+def _merge_copy(
+    rows: jax.Array,
+    order: jax.Array,
+    segments: jax.Array,
+    counts: jax.Array,
+    *,
+    mean: bool,
+    dtype: Any,
+) -> jax.Array:
+    """`_gather_copy` where several slots hold one row: `rows[order[i]]` added into
+    output row `segments[i]` (sorted; out of range is padding, dropped)."""
+    summed = jax.ops.segment_sum(
+        rows[order], segments, num_segments=order.shape[0], indices_are_sorted=True
+    )
+    return _divide(summed, counts, mean, dtype)
 
 
 def _bucket(n: int) -> int:
@@ -72,21 +98,62 @@ def _bucket(n: int) -> int:
 
 class SparseBatch(Batch):
     """Rows since the last take. `rows` (None until the first row) is the device buffer
-    of `rows.shape[0]` slots; `slot_ids`/`sorted_slots` index the slots by row id
-    (sorted), for lookups and for the sorted answer; `row_counts[s]` is how many
-    accepted gradients touched slot `s` (MEAN divides each row by it); `values_shape`
-    is fixed by the first gradient until the take."""
+    of `rows.shape[0]` slots, of which the first `len(slot_ids)` are used, in arrival
+    order: `slot_ids[s]` is the row id in slot `s` and `row_counts[s]` how many accepted
+    gradients touched it (MEAN divides by it). `values_shape` is fixed by the first
+    gradient until the take."""
 
-    __slots__ = ("row_counts", "rows", "sorted_ids", "sorted_slots", "unsettled", "values_shape")
+    __slots__ = ("answer", "row_counts", "rows", "slot_ids", "unsettled", "values_shape")
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: jax.Array | None = None
         self.values_shape: tuple[int, ...] | None = None
-        self.sorted_ids = np.zeros(0, np.int64)
-        self.sorted_slots = np.zeros(0, np.int32)
+        self.slot_ids = np.zeros(0, np.int64)
         self.row_counts = np.zeros(0, np.int64)
         self.unsettled = 0  # scatters dispatched since the last wait
+        self.answer: tuple | None = None  # (indices, rows, n) once the take's gather is dispatched
+
+
+class SlotHints:
+    """Where each row id was last given a slot: a table indexed by row id (or, past
+    `limit` entries, by its low bits), so finding a gradient's slots costs O(nnz),
+    not a merge with every row of the batch.
+
+    A hint is only a guess: a batch trusts it only when its `slot_ids` confirm it, so
+    the table is never cleared, outlives batches, and can be written before a kernel
+    that may fail. A row id whose hint was overwritten by another's (only past
+    `limit`) gets a second slot; the take adds such slots together.
+    """
+
+    limit = 1 << 22  # entries at most (16 MiB)
+
+    def __init__(self) -> None:
+        self.table = np.zeros(0, np.int32)
+
+    def _keys(self, ids: np.ndarray) -> np.ndarray:
+        return ids & (self.table.shape[0] - 1)
+
+    def slots(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
+        """The slot of each of the sorted unique `ids` in a batch whose slots hold
+        `slot_ids`, or -1 where it has none."""
+        n = slot_ids.shape[0]
+        if n == 0 or ids.shape[0] == 0 or self.table.shape[0] == 0:
+            return np.full(ids.shape, -1, np.int32)
+        hint = self.table[self._keys(ids)]
+        hint = np.where(hint < n, hint, 0)
+        return np.where(slot_ids[hint] == ids, hint, -1).astype(np.int32, copy=False)
+
+    def remember(self, ids: np.ndarray, slots: np.ndarray, slot_ids: np.ndarray) -> None:
+        """Records that sorted `ids` are in `slots` of a batch whose slots hold
+        `slot_ids` (used to refill a table that grows)."""
+        if ids.shape[0] == 0:
+            return
+        size = min(_bucket(int(ids[-1]) + 1), self.limit)
+        if size > self.table.shape[0]:
+            self.table = np.zeros(size, np.int32)
+            self.table[self._keys(slot_ids)] = np.arange(slot_ids.shape[0], dtype=np.int32)
+        self.table[self._keys(ids)] = slots
 
 
 class SparseCore(Core):
@@ -95,6 +162,8 @@ class SparseCore(Core):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.capacity_hint = 0  # the largest buffer so far: later batches start there
+        self.spare: jax.Array | None = None  # a taken batch's buffer, for the next batch
+        self.hints = SlotHints()
 
     def new_batch(self) -> SparseBatch:
         return SparseBatch()
@@ -120,53 +189,68 @@ class SparseCore(Core):
                 f"grad_values must have one row per index: expected {indices.shape[0]} "
                 f"rows, got {values.shape[0]}"
             )
-        known = self.shape
-        grad_shape = _args.check_shape(grad_shape, "grad_shape")
-        if grad_shape and known is not None:
-            if len(grad_shape) < len(known):
-                raise ValueError(
-                    f"grad_shape must have rank at least {len(known)} (the accumulator's "
-                    f"shape {_args.fmt(known)}), got {_args.fmt(grad_shape)}"
-                )
-            for i, (k, g) in enumerate(zip(known, grad_shape, strict=False)):
-                if k is not None and g is not None and k != g:
-                    raise ValueError(
-                        f"grad_shape dim {i} must be {k} (the accumulator's shape "
-                        f"{_args.fmt(known)}), got {g}"
-                    )
+        grad_shape = self._check_grad_shape(grad_shape)
         host = np.asarray(jax.device_get(indices)).astype(np.int64, copy=False)
         if host.size:
-            low = int(host.argmin())
-            if host[low] < 0:
-                raise ValueError(
-                    f"grad_indices[{low}] = {host[low]} is negative; indices must be row ids"
-                )
-            high = int(host.argmax())
-            limit = known[0] if known else None
-            if limit is not None and host[high] >= limit:
-                raise ValueError(
-                    f"grad_indices[{high}] = {host[high]} exceeds the accumulator's "
-                    f"shape[0] = {limit}"
-                )
-            if grad_shape and grad_shape[0] is not None and host[high] >= grad_shape[0]:
-                raise ValueError(
-                    f"grad_indices[{high}] = {host[high]} exceeds grad_shape[0] = {grad_shape[0]}"
-                )
-            if host[high] > _INT32_MAX:
-                raise ValueError(f"grad_indices[{high}] = {host[high]} does not fit in int32")
-        if known is not None:
-            if len(values.shape) < len(known):
-                raise ValueError(
-                    f"grad_values must have rank at least {len(known)} (the accumulator's "
-                    f"shape {_args.fmt(known)}), got shape {list(values.shape)}"
-                )
-            for i in range(1, len(known)):
-                if known[i] is not None and known[i] != values.shape[i]:
-                    raise ValueError(
-                        f"grad_values dim {i} must be {known[i]} (the accumulator's shape "
-                        f"{_args.fmt(known)}), got {values.shape[i]}"
-                    )
+            self._check_row_ids(host, grad_shape)
+        self._check_values_shape(values)
         return host, values
+
+    def _check_grad_shape(self, grad_shape: Any) -> _args.Shape | None:
+        """`grad_shape` as a shape, checked against the accumulator's."""
+        known = self.shape
+        grad_shape = _args.check_shape(grad_shape, "grad_shape")
+        if not grad_shape or known is None:
+            return grad_shape
+        if len(grad_shape) < len(known):
+            raise ValueError(
+                f"grad_shape must have rank at least {len(known)} (the accumulator's "
+                f"shape {_args.fmt(known)}), got {_args.fmt(grad_shape)}"
+            )
+        for i, (k, g) in enumerate(zip(known, grad_shape, strict=False)):
+            if k is not None and g is not None and k != g:
+                raise ValueError(
+                    f"grad_shape dim {i} must be {k} (the accumulator's shape "
+                    f"{_args.fmt(known)}), got {g}"
+                )
+        return grad_shape
+
+    def _check_row_ids(self, host: np.ndarray, grad_shape: _args.Shape | None) -> None:
+        """Non-empty host indices: row ids below every known dim 0, within int32."""
+        low = int(host.argmin())
+        if host[low] < 0:
+            raise ValueError(
+                f"grad_indices[{low}] = {host[low]} is negative; indices must be row ids"
+            )
+        high = int(host.argmax())
+        limit = self.shape[0] if self.shape else None
+        if limit is not None and host[high] >= limit:
+            raise ValueError(
+                f"grad_indices[{high}] = {host[high]} exceeds the accumulator's shape[0] = {limit}"
+            )
+        if grad_shape and grad_shape[0] is not None and host[high] >= grad_shape[0]:
+            raise ValueError(
+                f"grad_indices[{high}] = {host[high]} exceeds grad_shape[0] = {grad_shape[0]}"
+            )
+        if host[high] > _INT32_MAX:
+            raise ValueError(f"grad_indices[{high}] = {host[high]} does not fit in int32")
+
+    def _check_values_shape(self, values: Any) -> None:
+        """The values' rank and row dims against the accumulator's shape."""
+        known = self.shape
+        if known is None:
+            return
+        if len(values.shape) < len(known):
+            raise ValueError(
+                f"grad_values must have rank at least {len(known)} (the accumulator's "
+                f"shape {_args.fmt(known)}), got shape {list(values.shape)}"
+            )
+        for i in range(1, len(known)):
+            if known[i] is not None and known[i] != values.shape[i]:
+                raise ValueError(
+                    f"grad_values dim {i} must be {known[i]} (the accumulator's shape "
+                    f"{_args.fmt(known)}), got {values.shape[i]}"
+                )
 
     def apply(self, indices: Any, values: Any, grad_shape: Any, local_step: Any) -> bool:
         step = _args.check_step("local_step", local_step)
@@ -216,29 +300,17 @@ class SparseCore(Core):
         if nnz == 0:
             batch.values_shape, batch.count = values_shape, batch.count + 1
             return
-        rows, count, new = batch.rows, batch.count + 1, None
+        count, new = batch.count + 1, None
         try:
-            if rows is None and inverse is None and ours and values.dtype == self.acc_dtype:
+            if batch.rows is None and inverse is None and ours and values.dtype == self.acc_dtype:
                 # The first rows since the take, sorted and unique: they are the buffer.
-                ids, slots, counts = unique, np.arange(nnz, dtype=np.int32), np.ones(nnz, np.int64)
-                new = (values, ids, slots, counts, values_shape, 0, count)
+                self.hints.remember(unique, np.arange(nnz, dtype=np.int32), unique)
+                new = (values, unique, np.ones(nnz, np.int64), values_shape, 0, count)
             else:
-                ids, slots, counts, slot_of = self._place(batch, unique, inverse)
-                grow = rows is None or len(ids) > rows.shape[0]
-                capacity = max(self.capacity_hint, _bucket(len(ids))) if grow else rows.shape[0]
-                per_value = np.full(values.shape[0], capacity, np.int32)  # padding: dropped
-                per_value[:nnz] = slot_of
-                unsettled = 0 if grow else batch.unsettled + 1
-                if unsettled > _MAX_UNSETTLED:  # a few scatters in flight at most
-                    rows.block_until_ready()
-                    unsettled = 0
-                self.capacity_hint = max(self.capacity_hint, capacity)
-                bookkeeping = (ids, slots, counts, values_shape, unsettled, count)
-                if grow:  # the first rows since the take, or more than fit
-                    fresh = functools.partial(_scatter_fresh, capacity=capacity)
-                    new = (fresh(rows, per_value, values, dtype=self.acc_dtype), *bookkeeping)
-                else:
-                    new = (_scatter_add(rows, per_value, values), *bookkeeping)
+                out, slot_ids, counts, unsettled = self._scatter(
+                    batch, unique, inverse, values, nnz
+                )
+                new = (out, slot_ids, counts, values_shape, unsettled, count)
             self._commit(batch, new)
         except BaseException:  # finish an update whose kernel ran, or drop a consumed batch
             if new is not None and batch.count != count:
@@ -246,64 +318,105 @@ class SparseCore(Core):
             self.discard_if_consumed(batch, batch.rows)
             raise
 
+    def _scatter(
+        self,
+        batch: SparseBatch,
+        unique: np.ndarray,
+        inverse: np.ndarray | None,
+        values: jax.Array,
+        nnz: int,
+    ) -> tuple:
+        """Dispatches the kernel adding a gradient's rows to the batch's buffer, growing
+        it if they do not fit; returns the new buffer and bookkeeping (lock held)."""
+        rows, known = batch.rows, batch.slot_ids.shape[0]
+        ids, counts, slot_of = self._place(batch, unique, inverse)
+        grow = rows is None or ids.shape[0] > rows.shape[0]
+        target = self._buffer(ids.shape[0], values.shape[1:]) if grow else rows
+        # Index vectors as long as the (bucketed) values: padding points past the end.
+        per_value = np.full(values.shape[0], target.shape[0], np.int32)
+        per_value[:nnz] = slot_of
+        fresh = np.full(values.shape[0], target.shape[0], np.int32)
+        fresh[: ids.shape[0] - known] = np.arange(known, ids.shape[0], dtype=np.int32)
+        unsettled = 0 if grow else batch.unsettled + 1
+        if unsettled > _MAX_UNSETTLED:  # a few scatters in flight at most
+            rows.block_until_ready()
+            unsettled = 0
+        if not grow:
+            out = _scatter_add(rows, fresh, per_value, values)
+        elif rows is None:
+            out = _scatter_add(target, fresh, per_value, values)
+        else:
+            out = _scatter_grow(target, rows, fresh, per_value, values)
+        return out, ids, counts, unsettled
+
+    def _buffer(self, n: int, row_shape: tuple[int, ...]) -> jax.Array:
+        """A buffer of at least `n` slots of `row_shape` for a batch: a taken batch's, or
+        a new one as large as the largest so far (lock held)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.shape[0] >= n and spare.shape[1:] == row_shape:
+            return spare
+        self.capacity_hint = max(self.capacity_hint, _bucket(n))
+        return jnp.zeros((self.capacity_hint, *row_shape), self.acc_dtype)
+
+    def _recycle(self, rows: jax.Array) -> None:
+        """Keeps a taken batch's buffer, once its gather is dispatched, for a later batch
+        (no lock: a race at worst drops a buffer)."""
+        spare = self.spare
+        if spare is None or spare.shape[0] <= rows.shape[0]:
+            self.spare = rows
+
     @staticmethod
     def _commit(batch: SparseBatch, new: tuple) -> None:
         """Sets every field of `batch` at once (no interruption can land in between)."""
         (
             batch.rows,
-            batch.sorted_ids,
-            batch.sorted_slots,
+            batch.slot_ids,
             batch.row_counts,
             batch.values_shape,
             batch.unsettled,
             batch.count,
         ) = new
 
-    @staticmethod
     def _place(
-        batch: SparseBatch, unique: np.ndarray, inverse: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The batch's bookkeeping with `unique` row ids added, as new arrays (sorted ids,
-        their slots, per-slot counts), and the slot of each of the gradient's values."""
-        known, known_slots = batch.sorted_ids, batch.sorted_slots
+        self, batch: SparseBatch, unique: np.ndarray, inverse: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch's bookkeeping with the sorted `unique` row ids added, as new arrays
+        (the row id and count of each slot), and the slot of each gradient value."""
+        known = batch.slot_ids
         n = known.shape[0]
-        pos = np.searchsorted(known, unique)
-        found = np.zeros(unique.shape, bool)
-        inside = pos < n
-        found[inside] = known[pos[inside]] == unique[inside]
-        new_ids = unique[~found]
-        slots = np.empty(unique.shape, np.int32)
-        slots[found] = known_slots[pos[found]]
-        slots[~found] = np.arange(n, n + new_ids.shape[0], dtype=np.int32)
-        counts = np.concatenate([batch.row_counts, np.zeros(new_ids.shape[0], np.int64)])
+        slots = self.hints.slots(unique, known)
+        new = slots < 0
+        added = int(new.sum())
+        slots[new] = np.arange(n, n + added, dtype=np.int32)
+        ids = np.concatenate([known, unique[new]])
+        counts = np.concatenate([batch.row_counts, np.zeros(added, np.int64)])
         counts[slots] += 1
-        ids = np.insert(known, pos[~found], new_ids)
-        sorted_slots = np.insert(known_slots, pos[~found], slots[~found])
+        self.hints.remember(unique[new], slots[new], ids)
         slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
-        return ids, sorted_slots, counts, slot_of
+        return ids, counts, slot_of
+
+    def seal(self, batch: SparseBatch) -> None:
+        """Dispatches the take's gather as the batch is handed over, so it runs right
+        after the batch's own scatters, not behind the next batch's (lock held)."""
+        if batch.rows is None:
+            return
+        try:
+            with self.device.precision():
+                answer = self._answer(batch)
+        except Exception:  # left for the taker's `reduce` to meet again
+            return
+        batch.answer = answer
+        if answer[1] is not batch.rows:
+            self._recycle(batch.rows)
 
     def reduce(self, batch: SparseBatch) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
-        n = batch.sorted_ids.shape[0]
         dims = (self.shape[0] if self.shape and self.shape[0] is not None else -1,)
         dims += tuple(batch.values_shape[1:])
-        indices = self.device.own(batch.sorted_ids.astype(np.int32))
-        if n == 0:
-            return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), dims
-        rows, slots = batch.rows, batch.sorted_slots
-        counts = batch.row_counts[slots]
-        if (
-            (slots == np.arange(n)).all()
-            and (not self.mean or (counts == 1).all())
-            and rows.dtype == self.dtype
-        ):
-            taken = rows  # slots already sorted, nothing to divide: no kernel
-        else:
-            # Gather a bucketed n rows, not the whole buffer (compiles once per bucket).
-            order = np.zeros(_bucket(n), np.int32)
-            order[:n] = slots
-            padded_counts = np.ones(_bucket(n), np.int32)
-            padded_counts[:n] = counts
-            taken = _gather_copy(rows, order, padded_counts, mean=self.mean, dtype=self.dtype)
+        if batch.answer is None:
+            batch.answer = self._answer(batch)
+            if batch.answer[1] is not batch.rows:
+                self._recycle(batch.rows)
+        indices, taken, n = batch.answer
         if taken.shape[0] == n:
             return indices, taken, dims
         # Cut to the n real rows on the host: a device slice compiles once per n. On a
@@ -311,6 +424,60 @@ class SparseCore(Core):
         cut = np.asarray(taken)[:n]
         values = jax.device_put(cut, may_alias=True) if self.device.is_cpu else self.device.own(cut)
         return indices, values, dims
+
+    def _answer(self, batch: SparseBatch) -> tuple[jax.Array, jax.Array, int]:
+        """The sorted row ids, the rows (at least as many, dispatched), and their count."""
+        ids, order, segments = _sorted_slots(batch.slot_ids)
+        n = ids.shape[0]
+        indices = self.device.own(ids.astype(np.int32))
+        if n == 0:
+            return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), 0
+        counts = batch.row_counts[order]
+        if segments is not None:  # a row id in several slots: their counts add up
+            counts = np.bincount(segments, weights=counts, minlength=n).astype(np.int64)
+        return indices, self._gather_rows(batch.rows, order, segments, counts), n
+
+    def _gather_rows(
+        self, rows: jax.Array, order: np.ndarray, segments: np.ndarray | None, counts: np.ndarray
+    ) -> jax.Array:
+        """The rows of the answer, at least `len(counts)` of them: `rows[order]` (with
+        the slots of one `segments` entry added together), divided by `counts` under
+        MEAN. The buffer itself when nothing needs doing."""
+        n = order.shape[0]
+        if (
+            segments is None
+            and (order == np.arange(n)).all()
+            and (not self.mean or (counts == 1).all())
+            and rows.dtype == self.dtype
+        ):
+            return rows  # slots already sorted, nothing to divide: no kernel
+        # Gather a bucketed n rows, not the whole buffer (compiles once per bucket).
+        size = _bucket(n)
+        padded_order = np.zeros(size, np.int32)
+        padded_order[:n] = order
+        padded_counts = np.ones(size, np.int32)
+        padded_counts[: counts.shape[0]] = counts
+        how = {"mean": self.mean, "dtype": self.dtype}
+        if segments is None:
+            taken = _gather_copy(rows, padded_order, padded_counts, **how)
+        else:
+            padded_segments = np.full(size, size, np.int32)  # padding: dropped
+            padded_segments[:n] = segments
+            taken = _merge_copy(rows, padded_order, padded_segments, padded_counts, **how)
+        return taken
+
+
+def _sorted_slots(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The sorted unique row ids of a batch's slots, the slots in row-id order, and,
+    when a row id has several slots, the index of its unique id for each of them."""
+    n = slot_ids.shape[0]
+    keys = np.sort((slot_ids.astype(np.int64) << 32) | np.arange(n, dtype=np.int64))
+    ids, order = keys >> 32, (keys & 0xFFFFFFFF).astype(np.int32)
+    first = np.ones(n, bool)
+    first[1:] = ids[1:] != ids[:-1]
+    if first.all():
+        return ids, order, None
+    return ids[first], order, np.cumsum(first) - 1
 
 
 # --------------------------------------------------------------------------- public object
@@ -330,7 +497,8 @@ class SparseConditionalAccumulator(HostAccumulator):
     The rows live on a JAX device in a buffer that grows by powers of two (no fixed
     capacity); gradients' row counts are padded to powers of two, so compilations
     stay bounded however the sizes vary. Row bookkeeping is NumPy on the host. The
-    take sorts and divides the rows in the taker's thread.
+    thread that completes a take's count dispatches its gather (sorted rows, divided
+    under MEAN); the taker waits for it.
 
     Differences from TF: a gradient means its dense tensor, so duplicate indices
     within one gradient are summed into one row that counts once, and unsorted input

@@ -104,6 +104,8 @@ class TakeQueue:
                 if remaining is None or remaining > threading.TIMEOUT_MAX:
                     remaining = threading.TIMEOUT_MAX
                 if take.event.wait(remaining):
+                    if take.done:  # set before the event: no need to contend for the lock
+                        return True
                     with self._lock:
                         if take.done:
                             return True
