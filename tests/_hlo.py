@@ -22,20 +22,22 @@ _CALLS = re.compile(r"\b(?:calls|to_apply)=\{?(%[\w.,\s%-]+)\}?")
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One instruction: its result's number of elements (0 for a tuple) and opcode."""
+    """One instruction: its result's type (as written) and number of elements (0 for a
+    tuple), its opcode, and the rest of its line (operands and attributes)."""
 
     name: str
+    result: str
     size: int
     opcode: str
     operands: str
 
 
-def _instruction(line: str) -> tuple[str, int, str, str] | None:
-    """(name, number of elements or 0 for a tuple, opcode, operands and attributes)."""
+def _instruction(line: str) -> Op | None:
     assign = _ASSIGN.match(line)
     if assign is None:
         return None
-    rest, size = line[assign.end() :], 0
+    start = rest = line[assign.end() :]
+    size = 0
     if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
         depth = 0
         for i, char in enumerate(rest):
@@ -50,7 +52,10 @@ def _instruction(line: str) -> tuple[str, int, str, str] | None:
         size = int(np.prod([int(d) for d in array.group(1).split(",") if d]))
         rest = rest[array.end() :]
     op = _OPCODE.match(rest)
-    return None if op is None else (assign.group(1), size, op.group(1), op.group(2))
+    if op is None:
+        return None
+    result = start[: len(start) - len(rest)].strip()
+    return Op(assign.group(1), result, size, op.group(1), op.group(2))
 
 
 def _computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
@@ -92,11 +97,16 @@ def every_call(hlo: str) -> list[Op]:
             continue
         seen.add(name)
         for line in comps[name]:
-            instruction = _instruction(line)
-            if instruction is not None:
-                ops.append(Op(*instruction))
+            op = _instruction(line)
+            if op is not None:
+                ops.append(op)
                 todo += _called(line)
     return ops
+
+
+def instructions(hlo: str) -> list[Op]:
+    """Every instruction of every computation, loop bodies and branches included."""
+    return [op for op in map(_instruction, hlo.splitlines()) if op is not None]
 
 
 def full_size_counts(ops: list[Op]) -> collections.Counter:

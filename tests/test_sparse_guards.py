@@ -21,6 +21,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from _hlo import Op, every_call, instructions
 
 import optax_accum
 from optax_accum import IndexedSlices
@@ -80,58 +81,23 @@ def _programs(axis_name):
 
 # --------------------------------------------------------------------------- CPU HLO
 
-HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s")
 
-
-def _computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
-    comps: dict[str, list[str]] = {}
-    entry = current = None
-    for line in hlo.splitlines():
-        header = HEADER.match(line)
-        if header and line.rstrip().endswith("{"):
-            current = header.group(2)
-            comps[current] = []
-            entry = current if header.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line.strip())
-    assert entry is not None
-    return entry, comps
-
-
-def _every_call(hlo: str) -> list[str]:
-    """Instructions that run on every call: ENTRY and the computations it calls, except
-    loop bodies and conditions and the branches of conditionals."""
-    entry, comps = _computations(hlo)
-    seen, todo, lines = set(), [entry], []
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            lines.append(line)
-            attrs = re.sub(r"(body|condition|branch_computations)=\{?[%\w.,\s-]+\}?", "", line)
-            todo += re.findall(r"(?:calls|to_apply)=%([\w.-]+)", attrs)
-    return lines
-
-
-def _buffer_sorts(lines: list[str]) -> list[str]:
-    """Sorts of `CAPACITY` int32 row ids (batched over replicas under vmap)."""
-    return [x for x in lines if re.search(rf"= s32\[(\d+,)?{CAPACITY}\]\S* sort\(", x)]
+def _buffer_sorts(ops: list[Op]) -> list[str]:
+    """Sorts of `CAPACITY` int32 row ids alone (batched over replicas under vmap)."""
+    buffer = re.compile(rf"s32\[(\d+,)?{CAPACITY}\]\S*")
+    return [op.name for op in ops if op.opcode == "sort" and buffer.fullmatch(op.result)]
 
 
 @pytest.mark.parametrize("axis_name", [None, "r"], ids=["one device", "axis_name"])
 def test_held_step_compiles_to_no_sort_of_the_buffer_on_cpu(axis_name):
     for name, fn, args in _programs(axis_name):
         hlo = fn.lower(*args).compile().as_text()
-        everywhere = _buffer_sorts([x.strip() for x in hlo.splitlines()])
+        everywhere = _buffer_sorts(instructions(hlo))
         assert everywhere, f"{name}: the release's sort is missing from the program"
-        outside = _buffer_sorts(_every_call(hlo))
+        outside = _buffer_sorts(every_call(hlo))
         assert not outside, f"{name}: a held step sorts the buffer: {outside}"
         if axis_name is None:
-            assert not [x for x in _every_call(hlo) if " sort(" in x], name
+            assert not [op for op in every_call(hlo) if op.opcode == "sort"], name
 
 
 # --------------------------------------------------------------------------- TPU / GPU lowering
@@ -207,7 +173,7 @@ def test_the_guards_see_a_sort_outside_a_branch():
 
     x = jnp.arange(CAPACITY, dtype=jnp.int32)
     hlo = jax.jit(always_sorts).lower(x).compile().as_text()
-    assert _buffer_sorts(_every_call(hlo))
+    assert _buffer_sorts(every_call(hlo))
     for platform in ("tpu", "cuda"):
         mlir = jax.jit(always_sorts).trace(x).lower(lowering_platforms=(platform,)).as_text()
         assert len([t for t in _sorts_outside_branches(mlir) if f"{CAPACITY}xi32" in t]) == 1
