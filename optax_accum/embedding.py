@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from optax_accum import _common
-from optax_accum.indexed_slices import IndexedSlices, row_ids
+from optax_accum import _checks, _row_ids
+from optax_accum.indexed_slices import IndexedSlices
 
 
 def _table_paths(loss_fn: Callable, params: Any, args: tuple, kwargs: dict) -> list:
@@ -99,7 +99,7 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r} ({type(loss_fn).__name__})")
-    has_aux = _common.require_bool("has_aux", has_aux)
+    has_aux = _checks.require_bool("has_aux", has_aux)
 
     def value_and_grad_fn(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         calls = _table_paths(loss_fn, params, args, kwargs)
@@ -143,7 +143,7 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
             table = by_path[path]
             mine = [k for k, (p, _) in enumerate(calls) if p == path]
             ids = jnp.concatenate([jnp.ravel(looked_up[k]) for k in mine])
-            ids = row_ids(ids, jnp.shape(table)[0])  # exact for every id dtype
+            ids = _row_ids.row_ids(ids, jnp.shape(table)[0])  # exact for every id dtype
             rows = jnp.concatenate(
                 [delta_grads[k].reshape((-1, *jnp.shape(table)[1:])) for k in mine]
             )

@@ -19,8 +19,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _common, _compat
-from optax_accum.cross_shard import validate_group_assignment
+from optax_accum import _checks, _collectives, _compat
 
 
 def replica_group_mesh(
@@ -71,7 +70,7 @@ def replica_group_mesh(
       >>> out[np.argsort(order)]  # back in replica order: 0+3+5+6 and 1+2+4+7
       Array([14., 14., 14., 14., 14., 14., 14., 14.], dtype=float32)
     """
-    groups = validate_group_assignment(group_assignment)
+    groups = _collectives.validate_group_assignment(group_assignment)
     if groups is None:
         raise ValueError(
             f"group_assignment must be a non-empty list of list, got {group_assignment!r}"
@@ -185,7 +184,7 @@ def state_partition_specs(
       >>> tuple(specs.accumulator), tuple(specs.global_step)  # P("data"), P()
       (('data',), ())
     """
-    _common.require_transformation("tx", tx)
+    _checks.require_transformation("tx", tx)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r} ({type(mesh).__name__})")
     order = tuple(mesh.axis_names)

@@ -1,75 +1,44 @@
 """Reading and setting the step counters of any optax_accum state, like TF's methods.
 
-Every stateful optax_accum transform keeps its counters in a NamedTuple with a
-`global_step` field. These functions find the outermost such state inside whatever the
-user holds (the transform's own state, an `optax.chain` tuple, an
-`optax.inject_hyperparams` state, a dict of them), so
-`global_step(opt_state)` works without knowing how the optimizer was composed.
+Every stateful optax_accum transform keeps its counters in its own NamedTuple state
+(`ConditionalAccumulatorState`, `SparseConditionalAccumulatorState`,
+`DropStaleGradientsState`, `AGNState`). These functions find the outermost such state,
+by its type, inside whatever the user holds (the transform's own state, an
+`optax.chain` tuple, an `optax.inject_hyperparams` or `optax.MultiSteps` state, a dict
+of them, a batch of states made under `jax.vmap`), so `global_step(opt_state)` works
+without knowing how the optimizer was composed.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _common
+from optax_accum import _counters, _state_tree
+from optax_accum.accumulator import ConditionalAccumulatorState
+from optax_accum.agn import AGNState
+from optax_accum.sparse import SparseConditionalAccumulatorState
+from optax_accum.staleness import DropStaleGradientsState
 
-
-def _is_step_state(node: Any) -> bool:
-    return isinstance(node, tuple) and hasattr(node, "_fields") and "global_step" in node._fields
-
-
-def _children(node: Any) -> list[tuple[Any, Any]]:
-    """(key, child) pairs of a container node that may hold a step state."""
-    if isinstance(node, dict):
-        return list(node.items())
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return [(f, getattr(node, f)) for f in node._fields]
-    if isinstance(node, list | tuple):
-        return list(enumerate(node))
-    return []
-
-
-def _find(node: Any, match: Callable[[Any], bool] = _is_step_state) -> Any | None:
-    """The outermost node of `node` for which `match` holds (breadth first), or None.
-
-    By default, the outermost step state.
-    """
-    frontier = [node]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            if match(n):
-                return n
-            nxt.extend(child for _, child in _children(n))
-        frontier = nxt
-    return None
-
-
-def _replace(node: Any, target: Any, new: Any) -> Any:
-    """`node` with the object `target` (found by identity) replaced by `new`."""
-    if node is target:
-        return new
-    if isinstance(node, dict):
-        return type(node)((k, _replace(v, target, new)) for k, v in node.items())
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return node._replace(**{f: _replace(getattr(node, f), target, new) for f in node._fields})
-    if isinstance(node, list | tuple):
-        return type(node)(_replace(v, target, new) for v in node)
-    return node
+# The states that hold a global step, one per stateful transform.
+_STEP_STATES = (
+    ConditionalAccumulatorState,
+    SparseConditionalAccumulatorState,
+    DropStaleGradientsState,
+    AGNState,
+)
 
 
 def _step_state(state: Any, field: str) -> Any:
-    found = _find(state)
+    found = _state_tree.find(state, _STEP_STATES)
     if found is None:
+        names = ", ".join(t.__name__ for t in _STEP_STATES)
         raise ValueError(
-            "state holds no optax_accum step state (a NamedTuple with a global_step field); "
-            f"got {type(state).__name__}"
+            f"state holds no optax_accum step state (one of {names}); got {type(state).__name__}"
         )
     if field not in found._fields:
         raise ValueError(f"{type(found).__name__} has no {field!r} field")
@@ -150,14 +119,14 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     old = found.global_step
     batch_shape = tuple(np.shape(old))
     if not batch_shape or np.ndim(new_global_step) == 0:
-        new = _common.local_step_or(new_global_step, old, argname="new_global_step")
+        new = _counters.local_step_or(new_global_step, old, argname="new_global_step")
     else:
         new = _batched_steps(new_global_step, batch_shape)
     concrete = not isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer)
     if concrete:
         _warn_if_lowered(np.asarray(new), np.asarray(old))
     new = jnp.broadcast_to(jnp.asarray(new, dtype=np.int32), batch_shape)
-    return _replace(state, found, found._replace(global_step=new))
+    return _state_tree.replace(state, found, found._replace(global_step=new))
 
 
 def _batched_steps(steps: Any, batch_shape: tuple[int, ...]) -> Any:

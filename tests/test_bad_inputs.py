@@ -905,7 +905,9 @@ def test_enough_malformed_calls_across_the_public_api():
         # through the functions that take a state.
         "AGNState",
         "ConditionalAccumulatorState",
+        "DenseRows",
         "DropStaleGradientsState",
+        "RowBuffer",
         "SparseConditionalAccumulatorState",
     }
     short = {"accumulator": "conditional_accumulator", "sparse": "sparse_conditional_accumulator"}

@@ -21,7 +21,7 @@ import pytest
 from _cases import CASE_IDS, CASES, REPLICAS, Case, _first, _stack, _step_inputs
 
 import optax_accum
-from optax_accum import _branch
+from optax_accum import _fused as fused_module
 
 STEPS = 7
 
@@ -177,7 +177,7 @@ def test_the_release_branch_applies_the_updates_unless_something_follows(case, w
     found = []
 
     def probe(params, grads):
-        with _branch.fused_apply(params) as sink:
+        with fused_module.fused_apply(params) as sink:
             updates, _ = tx.update(grads, tx.init(params), params, **case.extra_args(0))
         found.append(sink.params_for(updates) is not None)
         return updates
