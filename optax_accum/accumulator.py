@@ -80,16 +80,17 @@ def conditional_accumulator(
     all-reduce of the tree), so all replicas release together. A straggler whose
     gradient is stale is simply not counted: TF's backup workers.
 
-    Differences from TF: it is a transform, not a blocking queue (see
-    `ConditionalAccumulator` for that); malformed gradients raise even when stale;
-    float16/bfloat16 accumulate in float32 by default; a non-finite value in a
-    dropped gradient never reaches the state (selection, not a 0/1 multiply).
+    TF counterpart: `tf.ConditionalAccumulator` (its `apply_grad`, `take_grad` and
+    `set_global_step`), as used by `tf.train.SyncReplicasOptimizer`. Differences from
+    TF: it is a transform, not a blocking queue (see `ConditionalAccumulator` for
+    that); malformed gradients raise even when stale; float16/bfloat16 accumulate in
+    float32 by default; a non-finite value in a dropped gradient never reaches the
+    state (selection, not a 0/1 multiply).
 
-    Cost: a held step is one fused pass that adds the gradient in place (jit the
-    update with the state donated); the release runs `inner` on the sum as it adds the
-    last gradient, then zeroes the accumulator. The branches are `lax.while_loop`s
-    that run zero times or once, which keep the state in its buffers, so `update` can
-    be forward- but not reverse-differentiated.
+    Cost: a held step adds the gradient to the sum (in place, when the update is
+    jitted with the state donated); `inner` runs on releasing steps only. `update` can
+    be forward- but not reverse-mode differentiated on the CPU. `docs/design.md` says
+    how the held and released steps compile on each backend.
 
     Args:
       inner: the optimizer that transforms each released aggregate.

@@ -94,14 +94,13 @@ def agn(
     subtraction; exact whenever the two are within a factor of two). The local
     optimizer's state is kept across syncs, as in TF.
 
-    Only sync steps communicate: the `pmean` and `outer` sit in a branch (a loop run
-    zero times or once, which updates the centre in place) whose predicate is the step
-    counter, the same on every replica, so a local step runs no collective and costs
-    `inner` plus one accumulation pass. Initialise every replica from the same params (TF's
-    `get_init_op`), so that they start from, and keep, the same centre. Under
-    `jax.shard_map`, `state_partition_specs(tx, params, mesh, param_axes=(axis,))`
-    gives the state's specs: the accumulator and `inner_state` are per worker, the
-    centre, `outer_state` and the counters are replicated.
+    Only sync steps communicate: the `pmean` and `outer` run only when the step
+    counter, the same on every replica, says so, so a local step runs no collective
+    and costs `inner` plus one accumulation pass. Initialise every replica from the
+    same params (TF's `get_init_op`), so that they start from, and keep, the same
+    centre. Under `jax.shard_map`, `state_partition_specs(tx, params, mesh,
+    param_axes=(axis,))` gives the state's specs: the accumulator and `inner_state`
+    are per worker, the centre, `outer_state` and the counters are replicated.
 
     Two commits are offered:
 
@@ -126,10 +125,12 @@ def agn(
     synchronous SGD on the same data; scale `outer`'s learning rate by the period to
     compensate (see `benchmarks/agn.py`).
 
-    Differences from TF: the local and centre optimizer states are separate (TF shares
-    Adam's beta powers between them, a bug); workers are the replicas of `axis_name`
-    rather than parameter-server tasks, and average their commits instead of applying
-    them one by one; `num_worker` is not needed; `outer` and `commit` are additions.
+    TF counterpart: `tf.contrib.opt.AGNOptimizer(optimizer, num_worker,
+    communication_period)`. Differences from TF: the local and centre optimizer states
+    are separate (TF shares Adam's beta powers between them, a bug); workers are the
+    replicas of `axis_name` rather than parameter-server tasks, and average their
+    commits instead of applying them one by one; `num_worker` is not needed; `outer` and
+    `commit` are additions.
 
     Args:
       inner: the local optimizer each worker runs on its own parameters every step.

@@ -80,25 +80,21 @@ def cross_shard(
     With `group_assignment`, replicas are reduced only within their subgroup (replica
     ids are indices along `axis_name`; for a tuple of names, the row-major index),
     and MEAN divides by the subgroup size. Under `jax.pmap` this is
-    `axis_index_groups`. `jax.shard_map` and `jax.vmap` do not support
-    `axis_index_groups`, so there each replica gets its group's exact sum by the
-    cheaper of two methods, costed per device in units of the gradient's bytes for
-    n replicas in groups of size k: k-1 collective permutes (every member receives
-    the others' values and adds them in the group's member order), or one all-reduce
-    of a buffer n/k times the gradient's size holding each replica's value in its
-    group's row (about 2(n-1)/k, versus 2(n-1)/n for a plain all-reduce). The
-    permutes are chosen while k(k-1) < 2(n-1). Both give bit-identical results on
-    every member of a group. Nested `jax.vmap`s with a tuple `axis_name` (e.g.
-    `("b", "a")`) cannot permute over several names, so there every value is
-    gathered and each group's added in the same member order: the same bits. Under
-    `jax.shard_map`, each replica's gradient must be its own (varying over the axis):
-    take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`, since
-    `jax.grad` with respect to replicated params already returns the sum over the
-    axis (a replica-invariant gradient is an error, not silently summed twice).
-    When the devices can be laid out by group, a mesh from
-    `optax_accum.replica_group_mesh` turns the groups into a mesh axis and the
-    reduction into a plain all-reduce over it: the fast path on a pod.
+    `axis_index_groups`. `jax.shard_map` and `jax.vmap` do not support it, so there
+    each replica gets its group's exact sum by k-1 collective permutes (for groups of
+    size k) or by one all-reduce of a buffer n/k times the gradient's size (for n
+    replicas), whichever moves fewer bytes (`docs/design.md` has the costs). Every
+    member of a group gets the same bits. When the devices can be laid out by group,
+    a mesh from `optax_accum.replica_group_mesh` turns the groups into a mesh axis
+    and the reduction into a plain all-reduce over it: the fast path on a pod.
 
+    Under `jax.shard_map`, each replica's gradient must be its own (varying over the
+    axis): take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`,
+    since `jax.grad` with respect to replicated params already returns the sum over
+    the axis (a replica-invariant gradient is an error, not silently summed twice).
+
+    TF counterpart: `tf.tpu.CrossShardOptimizer(opt, reduction, name,
+    group_assignment)`, here without the optimizer (`cross_shard_optimizer` has it).
     Differences from TF: TF scales the loss by 1/num_shards and sums the gradients;
     this averages the gradients themselves (same numbers; it also holds for gradients
     computed outside the wrapper). TF does not reject a group_assignment that repeats
@@ -114,8 +110,8 @@ def cross_shard(
         `jnp.bfloat16`, half the bytes of float32). Gradients are cast to it for the
         reduction and back to their own dtype after; MEAN divides before the cast, so
         the sum cannot overflow where the mean would not. The cross-replica sum is
-        rounded to this dtype (XLA's CPU backend computes bfloat16 all-reduces in
-        float32, so the saving shows on TPU and GPU).
+        rounded to this dtype. The bytes are saved on TPU and GPU (XLA:CPU computes
+        bfloat16 all-reduces in float32).
       pack: if True, all leaves (of one dtype) travel in one flat buffer, so a step
         issues one collective instead of one per leaf, at the cost of a copy in and
         out of the buffer. XLA often combines per-leaf all-reduces itself; packing

@@ -78,6 +78,9 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
     the forward pass, as `nn.Embed` does, and are padding in the gradient (the id
     `rows`); ids of any integer dtype are returned as int32 row ids.
 
+    TF counterpart: TF's gradient of `tf.nn.embedding_lookup` (a `tf.gather`) is a
+    `tf.IndexedSlices` by itself; this gives JAX and Flax the same.
+
     Args:
       loss_fn: `loss_fn(params, *args, **kwargs) -> loss` (or `(loss, aux)`).
       has_aux: whether `loss_fn` returns `(loss, aux)`.

@@ -259,6 +259,9 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
     add up, padding and out-of-range indices are ignored), touching no other row.
     `dense_shape[0] == -1` takes the row count from the param.
 
+    TF counterpart: what `Optimizer.apply_gradients` does with a `tf.IndexedSlices`
+    gradient, a scatter-add of its rows (`tf.compat.v1.scatter_add`).
+
     Args:
       params: the parameters (dense arrays).
       updates: the same tree, with any leaf possibly an `IndexedSlices`.
@@ -315,6 +318,9 @@ def densify() -> optax.GradientTransformationExtraArgs:
     1e-3))`) to use that optimizer inside `sparse_conditional_accumulator`, or
     anywhere sparse gradients meet a transform that expects arrays. Dense leaves pass
     through. Slices with an unknown row count take it from the params.
+
+    TF counterpart: `tf.convert_to_tensor` of a `tf.IndexedSlices`, which sums its rows
+    into a dense tensor.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with an empty state.

@@ -41,6 +41,9 @@ def replica_group_mesh(
     (replica) axis by `np.ravel(group_assignment)` before sharding it over
     `P(axis_names)` (see the example).
 
+    TF counterpart: none; TF on a TPU passes `group_assignment` to its collectives,
+    as `cross_shard(group_assignment=...)` does.
+
     Args:
       group_assignment: a valid group assignment (see `cross_shard`), covering all
         of `devices`.
@@ -155,6 +158,9 @@ def state_partition_specs(
 
     Use the specs as the state's `in_specs` and `out_specs`, and create the state with
     `jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)`.
+
+    TF counterpart: none; TF1 placed optimizer variables with device scopes, and a TPU
+    replica kept a copy of each.
 
     Args:
       tx: the transform, built with the mesh's axis names where it takes one.

@@ -65,6 +65,9 @@ class DenseRows(NamedTuple):
     leaf touches its distinct row ids. MEAN divides each row by its count, so a row's
     mean does not depend on whether its leaf is kept sparse or dense.
 
+    TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
+    for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
+
     Attributes:
       values: the sum of the accepted gradients, shaped like the param, in the
         accumulator's dtype (float32 for float16 and bfloat16 params).
@@ -526,13 +529,14 @@ def sparse_conditional_accumulator(
     gradient's dtype. (On one device, duplicates are added by a scatter, in the order
     the backend chooses; GPUs do not fix it.)
 
-    Cost: an update does a few gathers and scatters over the gradient's rows (no sort;
-    the row-to-slot map is updated in place when the state is donated); a release
-    sorts the `capacity` row ids and resets only a counter. Nothing scales with the
-    table, except the map's memory (4 bytes per table row). With `axis_name`, each
-    replica also sorts its own gradient's row ids every step.
+    Cost: an update does a few gathers and scatters over the gradient's rows, and no
+    sort; a release sorts the `capacity` row ids. Nothing scales with the table,
+    except the map's memory (4 bytes per table row). With `axis_name`, each replica
+    also sorts its own gradient's row ids every step. `docs/design.md` says how.
 
-    Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
+    TF counterpart: `tf.sparse.SparseConditionalAccumulator` (its
+    `apply_indexed_slices_grad` and `take_indexed_slices_grad`). Differences from
+    TF: duplicates and unsorted ids follow their dense meaning (TF
     keeps duplicates apart); out-of-range ids are ignored and counted in
     `num_out_of_range` instead of raising (values cannot raise inside jit); the
     release is padded to `capacity`.
@@ -723,6 +727,9 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
     and arrays: each update is `-learning_rate * gradient`, and sparse updates stay
     sparse, so `sparse_conditional_accumulator(sparse_sgd(lr), ...)` followed by
     `optax_accum.apply_updates` writes only the rows some gradient touched.
+
+    TF counterpart: `tf.train.GradientDescentOptimizer` applied to `tf.IndexedSlices`
+    gradients, which updates only their rows.
 
     Args:
       learning_rate: a scalar (may be traced, for `optax.inject_hyperparams`) or an

@@ -109,6 +109,7 @@ def drop_stale_gradients(
     fresh replicas' gradients and drop only the stragglers', use
     `conditional_accumulator(..., axis_name=...)` instead.
 
+    TF counterpart: `tf.contrib.opt.DropStaleGradientOptimizer(opt, staleness)`.
     Differences from TF: none in the rule. A NaN or Inf in a dropped gradient never
     reaches the state; `staleness` may be a traced scalar (it works under
     `optax.inject_hyperparams`).
@@ -207,6 +208,18 @@ def staleness_percentage(state: Any) -> jax.Array:
     `optax.chain` or `optax.inject_hyperparams` states), as a float32 scalar. As in TF,
     it is not a true fraction of all updates: it exceeds 1 once the drops outnumber
     the accepted updates plus one.
+
+    TF counterpart: the "staleness percentage" that
+    `tf.contrib.opt.DropStaleGradientOptimizer` reports.
+
+    Args:
+      state: the state of `drop_stale_gradients`, or any state holding one.
+
+    Returns:
+      A float32 scalar.
+
+    Raises:
+      ValueError: when `state` holds no `DropStaleGradientsState`.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_accum

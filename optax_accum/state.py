@@ -51,6 +51,20 @@ def global_step(state: Any) -> jax.Array:
     Like TF's accumulators, it counts the updates the transform has released (for
     `agn`, the communication rounds).
 
+    TF counterpart: the global step that `tf.ConditionalAccumulator.set_global_step`
+    sets and `take_grad` advances, or the `global_step` variable a TF optimizer
+    increments.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+
+    Returns:
+      An int32 scalar (an array of them for a batched state).
+
+    Raises:
+      ValueError: when `state` holds no optax_accum step state.
+
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
@@ -66,6 +80,20 @@ def num_accumulated(state: Any) -> jax.Array:
 
     Under an `axis_name`, the count is summed over the replicas.
 
+    TF counterpart: `tf.ConditionalAccumulator.num_accumulated()`.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+
+    Returns:
+      An int32 scalar: the gradients accepted since the last release (for `agn`, the
+        local steps of this round).
+
+    Raises:
+      ValueError: when `state` holds no optax_accum step state, or when the outermost one keeps no
+        count (`drop_stale_gradients`' has none).
+
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=3)
@@ -79,6 +107,20 @@ def num_accumulated(state: Any) -> jax.Array:
 
 def has_updated(state: Any) -> jax.Array:
     """Whether the last `update` of the outermost transform in `state` released an update.
+
+    TF counterpart: none; in TF, `take_grad` returning (or the optimizer's
+    `apply_gradients` op running) says that an update was made.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+
+    Returns:
+      A bool scalar: True when the last `update` released (for `drop_stale_gradients`,
+        accepted; for `agn`, synchronised).
+
+    Raises:
+      ValueError: when `state` holds no optax_accum step state.
 
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
@@ -101,6 +143,21 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     A batched state (say one made under `jax.vmap`, whose counters have leading batch
     axes) takes a scalar, set in every element, or an integer array of the global
     step's shape, one step per element; it warns if any element is lowered.
+
+    TF counterpart: `tf.ConditionalAccumulator.set_global_step(new_global_step)`.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+      new_global_step: an integer scalar (traced is fine), or for a batched state an
+        integer array of the global step's shape. Wider integers saturate to int32.
+
+    Returns:
+      `state` with the global step replaced; nothing else changes.
+
+    Raises:
+      TypeError / ValueError: for a `new_global_step` that is not an integer scalar (or
+        array of the right shape), or a `state` that holds no optax_accum step state.
 
     Example:
       >>> import jax, optax, optax_accum, jax.numpy as jnp
