@@ -194,11 +194,8 @@ def state_partition_specs(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r} ({type(mesh).__name__})")
     order = tuple(mesh.axis_names)
-    axes = frozenset(order if grad_axes is None else grad_axes)
-    p_axes = frozenset(param_axes)
-    for name, given in (("grad_axes", axes), ("param_axes", p_axes)):
-        if given - set(order):
-            raise ValueError(f"{name} must name axes of the mesh {order}, got {sorted(given)}")
+    axes = _mesh_axes("grad_axes", order if grad_axes is None else grad_axes, order)
+    p_axes = _mesh_axes("param_axes", param_axes, order)
     params_s = _struct(params)
     grads_s = params_s if grads is None else _struct(grads)
     state_s = jax.eval_shape(tx.init, params_s)
@@ -217,20 +214,32 @@ def state_partition_specs(
     paths = [
         jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state_s)[0]
     ]
-    specs = []
-    for path, leaf, v in zip(paths, leaves, varying, strict=True):
-        if not v:
-            specs.append(P())
-            continue
-        if not leaf.shape:
-            raise ValueError(
-                f"state{path} is a scalar that differs between replicas over {sorted(v)}, so "
-                "it has no PartitionSpec; build the transform with axis_name set to those "
-                "axes so that the replicas agree on it"
-            )
-        names = tuple(a for a in order if a in v)
-        specs.append(P(names[0] if len(names) == 1 else names))
+    specs = [
+        _spec(path, leaf, v, order) for path, leaf, v in zip(paths, leaves, varying, strict=True)
+    ]
     return treedef.unflatten(specs)
+
+
+def _mesh_axes(name: str, given: Sequence[str], order: tuple) -> frozenset:
+    """`given` as a set, checked to name axes of the mesh (whose axes are `order`)."""
+    axes = frozenset(given)
+    if axes - set(order):
+        raise ValueError(f"{name} must name axes of the mesh {order}, got {sorted(axes)}")
+    return axes
+
+
+def _spec(path: str, leaf: Any, varying: frozenset, order: tuple) -> P:
+    """The spec of a state leaf that varies over the mesh axes `varying`."""
+    if not varying:
+        return P()
+    if not leaf.shape:
+        raise ValueError(
+            f"state{path} is a scalar that differs between replicas over {sorted(varying)}, "
+            "so it has no PartitionSpec; build the transform with axis_name set to those "
+            "axes so that the replicas agree on it"
+        )
+    names = tuple(a for a in order if a in varying)
+    return P(names[0] if len(names) == 1 else names)
 
 
 __all__ = ["replica_group_mesh", "state_partition_specs"]

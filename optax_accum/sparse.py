@@ -175,22 +175,27 @@ def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
             f"the params returning one): expected {jax.tree.structure(params)}, "
             f"got {jax.tree.structure(mask)}"
         )
-    flat = []
-    for (path, p), m in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
-    ):
-        where = jax.tree_util.keystr(path)
-        if not isinstance(m, bool | np.bool_):
-            raise TypeError(f"sparse{where} must be a bool, got {m!r} ({type(m).__name__})")
-        if m and jnp.ndim(p) < 1:
-            raise ValueError(f"params{where} is a scalar and cannot be sparse")
-        if m and jnp.shape(p)[0] == 0:
-            raise ValueError(
-                f"params{where} must have at least one row to be sparse, got shape "
-                f"{tuple(jnp.shape(p))}"
-            )
-        flat.append(bool(m))
+    flat = [
+        _sparse_flag(jax.tree_util.keystr(path), p, m)
+        for (path, p), m in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
+        )
+    ]
     return jax.tree.unflatten(jax.tree.structure(params), flat)
+
+
+def _sparse_flag(where: str, param: Any, flag: Any) -> bool:
+    """One leaf's entry of the `sparse` tree, checked against its param."""
+    if not isinstance(flag, bool | np.bool_):
+        raise TypeError(f"sparse{where} must be a bool, got {flag!r} ({type(flag).__name__})")
+    if flag and jnp.ndim(param) < 1:
+        raise ValueError(f"params{where} is a scalar and cannot be sparse")
+    if flag and jnp.shape(param)[0] == 0:
+        raise ValueError(
+            f"params{where} must have at least one row to be sparse, got shape "
+            f"{tuple(jnp.shape(param))}"
+        )
+    return bool(flag)
 
 
 # --------------------------------------------------------------------------- checks
@@ -210,26 +215,25 @@ def _check_updates(updates: Any, accumulator: Any) -> None:
         flat, jax.tree.leaves(accumulator, is_leaf=_is_accumulator), strict=True
     ):
         where = f"updates{jax.tree_util.keystr(path)}"
-        if _is_buffer(a) and not isinstance(u, IndexedSlices):
+        if isinstance(u, IndexedSlices):
+            _check_slices(where, u, a)
+        elif _is_buffer(a):
             raise TypeError(
                 f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
                 f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
             )
-        if isinstance(u, IndexedSlices):
-            table = (a.slot_of.shape[0], *a.values.shape[1:]) if _is_buffer(a) else a.values.shape
-            if (
-                not table
-                or u.dense_shape[1:] != tuple(table[1:])
-                or u.dense_shape[0] not in (-1, table[0])
-            ):
-                raise ValueError(
-                    f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}"
-                )
-            _row_ids.check_indices(u, what=where)
-            if not jnp.issubdtype(u.values.dtype, jnp.floating):
-                raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
         else:
             _checks.check_tree_matches(u, a.values, what=where)
+
+
+def _check_slices(where: str, u: IndexedSlices, acc: RowBuffer | DenseRows) -> None:
+    """Trace-time check of an `IndexedSlices` gradient against its leaf's accumulator."""
+    table = (acc.slot_of.shape[0], *acc.values.shape[1:]) if _is_buffer(acc) else acc.values.shape
+    if not table or u.dense_shape[1:] != tuple(table[1:]) or u.dense_shape[0] not in (-1, table[0]):
+        raise ValueError(f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}")
+    _row_ids.check_indices(u, what=where)
+    if not jnp.issubdtype(u.values.dtype, jnp.floating):
+        raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
 
 
 def _all_finite(grads: list, accs: list) -> jax.Array:
