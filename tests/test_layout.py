@@ -6,7 +6,8 @@ package itself):
   `x._y` are allowed only when `_y` is a private submodule (what two modules share
   lives in a shared module under a name without the underscore);
 - every public module defines, besides its private names, exactly its `__all__`, and
-  those lists together are `optax_accum.__all__`.
+  those lists together are `optax_accum.__all__`;
+- `lax.platform_dependent` is used in `_branch.py` alone.
 
 The demo (`python -m optax_accum.demo`) is a program, not an API: its modules are
 held to the first two rules only.
@@ -225,3 +226,17 @@ def test_the_public_modules_together_export_exactly_optax_accum_all():
     exported = [n for m in PUBLIC if m != ROOT_NAME for n in _declared_all(TREES[m])]
     assert sorted(exported) == sorted(optax_accum.__all__)
     assert len(set(optax_accum.__all__)) == len(optax_accum.__all__)
+
+
+def test_only_branch_chooses_a_form_per_backend():
+    """`lax.platform_dependent` (a form only XLA:CPU needs) lives in _branch.py alone."""
+    users = sorted(
+        m
+        for m, tree in TREES.items()
+        if any(
+            isinstance(n, ast.Attribute | ast.Name)
+            and "platform_dependent" in (getattr(n, "attr", None), getattr(n, "id", None))
+            for n in ast.walk(tree)
+        )
+    )
+    assert users == [f"{ROOT_NAME}._branch"]
