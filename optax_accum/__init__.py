@@ -15,6 +15,8 @@ from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulato
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
 from optax_accum.sharding import replica_group_mesh, state_partition_specs
 from optax_accum.sparse import (
+    DenseRows,
+    RowBuffer,
     SparseConditionalAccumulatorState,
     sparse_conditional_accumulator,
     sparse_sgd,
@@ -63,9 +65,11 @@ __all__ = [
     "AGNState",
     "ConditionalAccumulator",
     "ConditionalAccumulatorState",
+    "DenseRows",
     "DropStaleGradientsState",
     "IndexedSlices",
     "NNXOptimizer",
+    "RowBuffer",
     "SparseConditionalAccumulator",
     "SparseConditionalAccumulatorState",
     "TrainState",

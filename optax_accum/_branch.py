@@ -13,17 +13,16 @@ The branch body is traced once (`jax.make_jaxpr`) and both forms evaluate that
 jaxpr, so nesting optax_accum transforms traces the innermost optimizer once per
 level rather than once per form.
 
-`fused_apply` is the other half of `apply_gradients`: while it is active, an
-`update_if` called with the caller's very `params` also applies its updates to them
-inside the branch, so a step that releases nothing leaves the parameters untouched.
+`update_if` is also where `apply_gradients` fuses the step: while a
+`_fused.fused_apply` is active, an `update_if` called with the caller's very `params`
+applies its updates to them inside the branch, so a step that releases nothing leaves
+the parameters untouched.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,8 +31,7 @@ import optax
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from optax_accum import _compat
-from optax_accum.indexed_slices import apply_updates
+from optax_accum import _compat, _fused
 
 # --------------------------------------------------------------------------- tracing
 
@@ -245,14 +243,13 @@ def update_if(
     changes dtype with mixed-precision gradients keeps a fixed state. `salt` is a
     replicated int32 scalar (a counter) for `unmerged_zeros` on the CPU. `held` maps
     the zero updates to what a held step returns (e.g. padding row ids). When `params`
-    is the very object an active `fused_apply` was given, the branch also applies the
-    updates to it (see `fused_apply`).
+    is the very object an active `_fused.fused_apply` was given, the branch also applies
+    the updates to it (see `_fused`).
     """
-    sink = _SINK.get()
-    fuse = sink is not None and params is not None and params is sink.params
-    if fuse:
+    sink = _fused.sink_for(params)
+    if sink is not None:
         operand = (state, params)
-        traced = _Traced.of(lambda c: _with_params(fn, c), operand)
+        traced = _Traced.of(_fused.with_params(fn), operand)
         traced = traced.reading_params_from_carry(params)
     else:
         operand = state
@@ -265,57 +262,11 @@ def update_if(
         return finish(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
     updates, operand = _run_if(pred, traced, operand, held_updates)
-    if not fuse:
+    if sink is None:
         return updates, operand
     state, new_params = operand
     sink.record(updates, new_params)
     return updates, state
 
 
-def _with_params(fn: Callable, carry: tuple) -> tuple:
-    state, params = carry
-    updates, state = fn(state)
-    return updates, (state, apply_updates(params, updates))
-
-
-# --------------------------------------------------------------------------- fused apply
-
-
-@dataclasses.dataclass
-class _Sink:
-    """What `update_if` applied to `params` inside its branch, by the updates it made."""
-
-    params: Any
-    applied: list[tuple[list, Any]] = dataclasses.field(default_factory=list)
-
-    def record(self, updates: Any, new_params: Any) -> None:
-        self.applied.append((jax.tree.leaves(updates), new_params))
-
-    def params_for(self, updates: Any) -> Any | None:
-        """The params a branch made from exactly these `updates` (by identity), if any."""
-        leaves = jax.tree.leaves(updates)
-        for recorded, new_params in self.applied:
-            if len(recorded) == len(leaves) and all(
-                a is b for a, b in zip(recorded, leaves, strict=True)
-            ):
-                return new_params
-        return None
-
-
-_SINK: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("_SINK", default=None)
-
-
-@contextlib.contextmanager
-def fused_apply(params: Any) -> Iterator[_Sink]:
-    """While active, `update_if(..., params=params)` also applies its updates in its
-    branch; the sink then gives the new params for the updates a transform returned,
-    or None when something after the branch changed them (the caller applies them)."""
-    sink = _Sink(params)
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
-
-
-__all__ = ["apply_if", "fused_apply", "unmerged_zeros", "update_if", "zeroed"]
+__all__ = ["apply_if", "unmerged_zeros", "update_if", "zeroed"]

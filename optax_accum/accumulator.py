@@ -8,7 +8,6 @@ transform: the release feeds a wrapped optimizer, which runs only on releasing s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _common
+from optax_accum import _branch, _checks, _counters, _sums
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -54,30 +53,9 @@ class ConditionalAccumulatorState(NamedTuple):
     inner_state: optax.OptState
 
 
-NumRequired = int | Callable[[jax.Array], Any]
-
-
-def _num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Array]:
-    """Validates `num_required` and returns it as a function of the global step."""
-    if callable(num_required):
-
-        def scheduled(step: jax.Array) -> jax.Array:
-            k = num_required(step)
-            if not jnp.issubdtype(jnp.result_type(k), jnp.integer):
-                raise TypeError(
-                    "num_required: a schedule must return an integer, "
-                    f"got {jnp.result_type(k)} for step {step}"
-                )
-            return jnp.maximum(jnp.asarray(k).astype(jnp.int32), 1)
-
-        return scheduled
-    k = _common.require_positive_int("num_required", num_required)
-    return lambda step: _common.int32(k)
-
-
 def conditional_accumulator(
     inner: optax.GradientTransformation,
-    num_required: NumRequired,
+    num_required: _counters.NumRequired,
     *,
     reduction: str = "mean",
     accumulator_dtype: Any = None,
@@ -102,16 +80,17 @@ def conditional_accumulator(
     all-reduce of the tree), so all replicas release together. A straggler whose
     gradient is stale is simply not counted: TF's backup workers.
 
-    Differences from TF: it is a transform, not a blocking queue (see
-    `ConditionalAccumulator` for that); malformed gradients raise even when stale;
-    float16/bfloat16 accumulate in float32 by default; a non-finite value in a
-    dropped gradient never reaches the state (selection, not a 0/1 multiply).
+    TF counterpart: `tf.ConditionalAccumulator` (its `apply_grad`, `take_grad` and
+    `set_global_step`), as used by `tf.train.SyncReplicasOptimizer`. Differences from
+    TF: it is a transform, not a blocking queue (see `ConditionalAccumulator` for
+    that); malformed gradients raise even when stale; float16/bfloat16 accumulate in
+    float32 by default; a non-finite value in a dropped gradient never reaches the
+    state (selection, not a 0/1 multiply).
 
-    Cost: a held step is one fused pass that adds the gradient in place (jit the
-    update with the state donated); the release runs `inner` on the sum as it adds the
-    last gradient, then zeroes the accumulator. The branches are `lax.while_loop`s
-    that run zero times or once, which keep the state in its buffers, so `update` can
-    be forward- but not reverse-differentiated.
+    Cost: a held step adds the gradient to the sum (in place, when the update is
+    jitted with the state donated); `inner` runs on releasing steps only. `update` can
+    be forward- but not reverse-mode differentiated on the CPU. `docs/design.md` says
+    how the held and released steps compile on each backend.
 
     Args:
       inner: the optimizer that transforms each released aggregate.
@@ -151,23 +130,23 @@ def conditional_accumulator(
       >>> int(optax_accum.global_step(state)), int(state.num_dropped)
       (1, 1)
     """
-    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
-    required = _num_required_fn(num_required)
-    mean = _common.canonical_reduction(reduction) == "mean"
-    acc_dtype = _common.floating_dtype("accumulator_dtype", accumulator_dtype)
-    axis_name = _common.require_axis_name("axis_name", axis_name)
-    skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
+    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    required = _counters.num_required_fn(num_required)
+    mean = _checks.canonical_reduction(reduction) == "mean"
+    acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
+    axis_name = _checks.require_axis_name("axis_name", axis_name)
+    skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
-        _common.require_floating_params(params)
+        _checks.require_floating_params(params)
         # Each counter gets its own buffer, so the state can be donated as it comes.
         return ConditionalAccumulatorState(
-            global_step=_common.int32(0),
-            count=_common.int32(0),
-            num_dropped=_common.int32(0),
-            num_nonfinite=_common.int32(0),
+            global_step=_counters.int32(0),
+            count=_counters.int32(0),
+            num_dropped=_counters.int32(0),
+            num_nonfinite=_counters.int32(0),
             emitted=jnp.asarray(False),
-            accumulator=jax.tree.map(lambda p: _common.zeros_accumulator(p, acc_dtype), params),
+            accumulator=jax.tree.map(lambda p: _sums.zeros_accumulator(p, acc_dtype), params),
             inner_state=inner.init(params),
         )
 
@@ -179,23 +158,23 @@ def conditional_accumulator(
         local_step: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
-        _common.require_state(state, ConditionalAccumulatorState)
-        _common.check_tree_matches(updates, state.accumulator, what="updates")
-        step = _common.local_step_or(local_step, state.global_step)
+        _checks.require_state(state, ConditionalAccumulatorState)
+        _checks.check_tree_matches(updates, state.accumulator, what="updates")
+        step = _counters.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step
-        finite = _common.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
+        finite = _sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
         accepted = fresh & finite
         arrived = jnp.stack([accepted, ~fresh, fresh & ~finite]).astype(jnp.int32)
         if axis_name is not None:
-            _common.require_bound_axis(axis_name)
+            _checks.require_bound_axis(axis_name)
             arrived = lax.psum(arrived, axis_name)
-        count = _common.saturating_add(state.count, arrived[0])
-        num_dropped = _common.saturating_add(state.num_dropped, arrived[1])
-        num_nonfinite = _common.saturating_add(state.num_nonfinite, arrived[2])
+        count = _counters.saturating_add(state.count, arrived[0])
+        num_dropped = _counters.saturating_add(state.num_dropped, arrived[1])
+        num_nonfinite = _counters.saturating_add(state.num_nonfinite, arrived[2])
         emit = count >= required(state.global_step)
 
         accumulator = jax.tree.map(
-            lambda a, g: _common.add_where(accepted, a, g), state.accumulator, updates
+            lambda a, g: _sums.add_where(accepted, a, g), state.accumulator, updates
         )
 
         # A held step is the addition above, in place, and passes the inner state and
@@ -214,7 +193,7 @@ def conditional_accumulator(
             emit, release, (state.inner_state, accumulator), salt=count, params=params
         )
         new_state = ConditionalAccumulatorState(
-            global_step=_common.increment_if(emit, state.global_step),
+            global_step=_counters.increment_if(emit, state.global_step),
             count=jnp.where(emit, 0, count),
             num_dropped=num_dropped,
             num_nonfinite=num_nonfinite,

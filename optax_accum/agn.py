@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _common
+from optax_accum import _branch, _checks, _counters, _sums
 
-COMMITS = ("gradients", "delta")
+_COMMITS = ("gradients", "delta")
 
 
 class AGNState(NamedTuple):
@@ -67,7 +67,7 @@ class AGNState(NamedTuple):
 
 
 def _canonical_commit(commit: Any) -> str:
-    if isinstance(commit, str) and commit.lower() in COMMITS:
+    if isinstance(commit, str) and commit.lower() in _COMMITS:
         return commit.lower()
     raise ValueError(f'commit must be "gradients" or "delta", got {commit!r}')
 
@@ -94,14 +94,13 @@ def agn(
     subtraction; exact whenever the two are within a factor of two). The local
     optimizer's state is kept across syncs, as in TF.
 
-    Only sync steps communicate: the `pmean` and `outer` sit in a branch (a loop run
-    zero times or once, which updates the centre in place) whose predicate is the step
-    counter, the same on every replica, so a local step runs no collective and costs
-    `inner` plus one accumulation pass. Initialise every replica from the same params (TF's
-    `get_init_op`), so that they start from, and keep, the same centre. Under
-    `jax.shard_map`, `state_partition_specs(tx, params, mesh, param_axes=(axis,))`
-    gives the state's specs: the accumulator and `inner_state` are per worker, the
-    centre, `outer_state` and the counters are replicated.
+    Only sync steps communicate: the `pmean` and `outer` run only when the step
+    counter, the same on every replica, says so, so a local step runs no collective
+    and costs `inner` plus one accumulation pass. Initialise every replica from the
+    same params (TF's `get_init_op`), so that they start from, and keep, the same
+    centre. Under `jax.shard_map`, `state_partition_specs(tx, params, mesh,
+    param_axes=(axis,))` gives the state's specs: the accumulator and `inner_state`
+    are per worker, the centre, `outer_state` and the counters are replicated.
 
     Two commits are offered:
 
@@ -126,10 +125,12 @@ def agn(
     synchronous SGD on the same data; scale `outer`'s learning rate by the period to
     compensate (see `benchmarks/agn.py`).
 
-    Differences from TF: the local and centre optimizer states are separate (TF shares
-    Adam's beta powers between them, a bug); workers are the replicas of `axis_name`
-    rather than parameter-server tasks, and average their commits instead of applying
-    them one by one; `num_worker` is not needed; `outer` and `commit` are additions.
+    TF counterpart: `tf.contrib.opt.AGNOptimizer(optimizer, num_worker,
+    communication_period)`. Differences from TF: the local and centre optimizer states
+    are separate (TF shares Adam's beta powers between them, a bug); workers are the
+    replicas of `axis_name` rather than parameter-server tasks, and average their
+    commits instead of applying them one by one; `num_worker` is not needed; `outer` and
+    `commit` are additions.
 
     Args:
       inner: the local optimizer each worker runs on its own parameters every step.
@@ -171,24 +172,24 @@ def agn(
       >>> float(state.centre[0])  # 1 - 0.1 * (1 + 2 + 3) / 3
       0.8
     """
-    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
-    period = _common.require_positive_int("communication_period", communication_period)
-    axis_name = _common.require_axis_name("axis_name", axis_name)
+    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    period = _checks.require_positive_int("communication_period", communication_period)
+    axis_name = _checks.require_axis_name("axis_name", axis_name)
     commit = _canonical_commit(commit)
     delta = commit == "delta"
     if outer is not None:
-        _common.require_transformation("outer", outer, optional=True)
+        _checks.require_transformation("outer", outer, optional=True)
     if outer is None:
         outer = optax.sgd(1.0) if delta else inner
     outer = optax.with_extra_args_support(outer)
-    acc_dtype = _common.floating_dtype("accumulator_dtype", accumulator_dtype)
-    skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
+    acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
+    skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
 
     def sum_dtype(x: Any) -> Any:
-        return _common.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
+        return _sums.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
 
     def init_fn(params: optax.Params) -> AGNState:
-        _common.require_floating_params(params)
+        _checks.require_floating_params(params)
         # zeros_like, not zeros: under shard_map the sum varies over the mesh axes the
         # params vary over, so the state's types are the same before and after update.
         accumulator = (
@@ -197,9 +198,9 @@ def agn(
         leaves = jax.tree.leaves(params)
         like = leaves[0] if leaves else jnp.zeros(())
         return AGNState(
-            global_step=_common.int32(0),  # one buffer per field, so state can be donated
-            count=_common.int32(0),
-            num_nonfinite=_common.int32(0),
+            global_step=_counters.int32(0),  # one buffer per field, so state can be donated
+            count=_counters.int32(0),
+            num_nonfinite=_counters.int32(0),
             round_nonfinite=jnp.zeros_like(like, jnp.int32, shape=(1,)),
             emitted=jnp.asarray(False),
             accumulator=accumulator,
@@ -221,11 +222,11 @@ def agn(
                 "agn needs params: call update(grads, state, params) with this worker's "
                 "current (local) parameters, got params=None"
             )
-        _common.require_state(state, AGNState)
-        _common.check_tree_matches(updates, state.centre, what="updates")
-        _common.check_tree_matches(params, state.centre, what="params")
+        _checks.require_state(state, AGNState)
+        _checks.check_tree_matches(updates, state.centre, what="updates")
+        _checks.check_tree_matches(params, state.centre, what="params")
         if axis_name is not None:
-            _common.require_bound_axis(axis_name)
+            _checks.require_bound_axis(axis_name)
 
         local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         # Gradients in another dtype than the params may change the dtypes of `inner`'s
@@ -234,17 +235,17 @@ def agn(
         accumulator = state.accumulator
         round_nonfinite = state.round_nonfinite
         if skip_nonfinite:
-            finite = _common.all_finite(updates)
-            local_updates = _common.tree_select(
+            finite = _sums.all_finite(updates)
+            local_updates = _sums.tree_select(
                 finite, local_updates, optax.tree.zeros_like(local_updates)
             )
-            inner_state = _common.tree_select(finite, inner_state, state.inner_state)
-            round_nonfinite = _common.saturating_add(round_nonfinite, (~finite).astype(jnp.int32))
+            inner_state = _sums.tree_select(finite, inner_state, state.inner_state)
+            round_nonfinite = _counters.saturating_add(round_nonfinite, (~finite).astype(jnp.int32))
         else:
             finite = jnp.asarray(True)
         if not delta:
             accumulator = jax.tree.map(
-                functools.partial(_common.add_where, finite), accumulator, updates
+                functools.partial(_sums.add_where, finite), accumulator, updates
             )
         count = state.count + 1
         sync = count >= period
@@ -269,7 +270,7 @@ def agn(
                 skipped = round_nonfinite[0]
                 if axis_name is not None:
                     skipped = lax.psum(skipped, axis_name)
-                num_nonfinite = _common.saturating_add(num_nonfinite, skipped)
+                num_nonfinite = _counters.saturating_add(num_nonfinite, skipped)
                 round_nonfinite = jnp.zeros_like(round_nonfinite)
             zeros = optax.tree.zeros_like(accumulator)
             return zeros, centre, outer_state, num_nonfinite, round_nonfinite
@@ -280,9 +281,9 @@ def agn(
             (accumulator, state.centre, state.outer_state, state.num_nonfinite, round_nonfinite),
         )
         pull = optax.tree.cast_like(jax.tree.map(lambda c, p: c - p, centre, params), local_updates)
-        new_updates = _common.tree_select(sync, pull, local_updates)
+        new_updates = _sums.tree_select(sync, pull, local_updates)
         new_state = AGNState(
-            global_step=_common.increment_if(sync, state.global_step),
+            global_step=_counters.increment_if(sync, state.global_step),
             count=jnp.where(sync, 0, count),
             num_nonfinite=num_nonfinite,
             round_nonfinite=round_nonfinite,

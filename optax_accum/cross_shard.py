@@ -18,213 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _common, _compat
-
-Groups = tuple[tuple[int, ...], ...]
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def validate_group_assignment(group_assignment: Any) -> Groups | None:
-    """Checks the structure of a `group_assignment`; returns it as a tuple of tuples.
-
-    Like TF: a list of equal-size lists whose ids are a permutation of
-    `range(num_replicas)`, and `[]` (or None) means no groups. Unlike TF, a repeated
-    replica id is an error (TF only compares the set of ids). The number of replicas
-    is not known here: `check_group_assignment_size` checks it at trace time.
-
-    Raises:
-      ValueError: naming what is wrong, with TF's texts ("must be a list of list",
-        "must be a permutation of range(N)", "The size of each subgroup in
-        group_assignment must be equal").
-    """
-    if group_assignment is None:
-        return None
-    if isinstance(group_assignment, np.ndarray):
-        group_assignment = group_assignment.tolist()
-    if not isinstance(group_assignment, list | tuple) or not all(
-        isinstance(g, list | tuple) for g in group_assignment
-    ):
-        raise ValueError(
-            "group_assignment must be a list of list (equal-size lists of replica ids), "
-            f"got {group_assignment!r}"
-        )
-    if not group_assignment:
-        return None
-    if any(len(g) == 0 for g in group_assignment):
-        raise ValueError(
-            f"group_assignment must not hold an empty subgroup, got {group_assignment!r}"
-        )
-    ids = [i for g in group_assignment for i in g]
-    if any(isinstance(i, bool) or not isinstance(i, int | np.integer) for i in ids):
-        raise ValueError(
-            f"group_assignment must be a list of list of int replica ids, got {group_assignment!r}"
-        )
-    repeated = sorted({int(i) for i in ids if ids.count(i) > 1})
-    if repeated:
-        raise ValueError(
-            "group_assignment must not repeat a replica id (TF does not check this), got "
-            f"{repeated} more than once in {group_assignment!r}"
-        )
-    if sorted(ids) != list(range(len(ids))):
-        raise ValueError(
-            f"group_assignment must be a permutation of range({len(ids)}), got {group_assignment!r}"
-        )
-    sizes = [len(g) for g in group_assignment]
-    if len(set(sizes)) != 1:
-        raise ValueError(
-            "The size of each subgroup in group_assignment must be equal, got sizes "
-            f"{sizes} in {group_assignment!r}"
-        )
-    return tuple(tuple(int(i) for i in g) for g in group_assignment)
-
-
-def axis_size(axis_name: Any) -> int:
-    """The number of replicas along `axis_name` (a name or a tuple of names)."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    return int(np.prod([lax.axis_size(n) for n in names]))
-
-
-def check_group_assignment_size(groups: Groups, axis_name: Any) -> None:
-    """Raises at trace time unless `groups` covers exactly the replicas of `axis_name`."""
-    n, total = axis_size(axis_name), sum(len(g) for g in groups)
-    if n != total:
-        raise ValueError(
-            f"group_assignment must be a permutation of range({n}) (the size of axis "
-            f"{axis_name!r}), got the {total} replica ids of {[list(g) for g in groups]}"
-        )
-
-
-# --------------------------------------------------------------------------- gathers
-
-
-def _names(axis_name: Any) -> tuple:
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def _under_vmap(axis_name: Any) -> bool:
-    """Whether a tuple `axis_name` names an axis bound by `jax.vmap`, whose batched
-    `all_gather` and `ppermute` reject several names at once; the other axes
-    (`jax.shard_map`, `jax.pmap`) are manual axes of the abstract mesh."""
-    names = _names(axis_name)
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return len(names) > 1 and not set(names) <= manual
-
-
-def all_gather(x: jax.Array, axis_name: Any, *, invariant: bool = False) -> jax.Array:
-    """Every replica's `x`, stacked along a new leading axis in replica order.
-
-    For a tuple of names the order is row-major, as `lax.axis_index` numbers the
-    replicas. Under `jax.vmap` a tuple is gathered one name at a time, the last (minor)
-    name first. With `invariant`, the stack is typed replica-invariant under
-    `jax.shard_map` (it is the same on every replica).
-    """
-    if _under_vmap(axis_name):
-        names = _names(axis_name)
-        for name in reversed(names):
-            x = all_gather(x, name, invariant=invariant)
-        return x.reshape((-1, *x.shape[len(names) :]))
-    names = frozenset(_names(axis_name))
-    if invariant and names <= set(jax.sharding.get_abstract_mesh().manual_axes):
-        return _compat.all_gather_invariant(_compat.make_varying(x, names), axis_name)
-    return lax.all_gather(x, axis_name)
-
-
-# --------------------------------------------------------------------------- group sums
-
-
-def _group_tables(groups: Groups) -> tuple[np.ndarray, np.ndarray]:
-    """For each replica id: its group's index and its position inside the group."""
-    group_of = np.empty(sum(len(g) for g in groups), np.int32)
-    position = np.empty_like(group_of)
-    for gi, g in enumerate(groups):
-        for j, r in enumerate(g):
-            group_of[r], position[r] = gi, j
-    return group_of, position
-
-
-def _one_hot_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
-    """Each replica's group sum: one all-reduce of a (num_groups, *x.shape) buffer.
-
-    A replica writes its value into its group's row of a zero buffer; the all-reduce
-    sums every row over all replicas, adding exact zeros from the other groups, and
-    each replica reads its group's row. All members read the same all-reduce result,
-    so they agree bit for bit.
-    """
-    group_of, _ = _group_tables(groups)
-    me = jnp.asarray(group_of)[lax.axis_index(axis_name)]
-    buffer = jnp.zeros((len(groups), *x.shape), x.dtype).at[me].set(x)
-    return lax.psum(buffer, axis_name)[me]
-
-
-def _permute_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
-    """Each replica's group sum: k-1 collective permutes, for groups of size k.
-
-    Shift s sends each member's value to the member s places before it in its group,
-    so after k-1 shifts every replica holds all k values of its group. They are added
-    in the group's member order, the same order on every member, so all members agree
-    bit for bit.
-    """
-    _, position = _group_tables(groups)
-    k = len(groups[0])
-    received = [x]  # received[s] on the member at position p is member (p + s) % k's value
-    for s in range(1, k):
-        perm = [(g[(j + s) % k], g[j]) for g in groups for j in range(k)]
-        received.append(lax.ppermute(x, axis_name, perm))
-    p = jnp.asarray(position)[lax.axis_index(axis_name)]
-    ordered = jnp.stack(received)[(jnp.arange(k) - p) % k]
-    total = ordered[0]
-    for m in range(1, k):
-        total = total + ordered[m]
-    return total
-
-
-def _gathered_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
-    """`_permute_group_sum` for a tuple of `jax.vmap` axes, which cannot be permuted:
-    every value gathered, the group's added in its member order (the same bits)."""
-    group_of, _ = _group_tables(groups)
-    members = jnp.asarray(np.asarray(groups, np.int32))[
-        jnp.asarray(group_of)[lax.axis_index(axis_name)]
-    ]
-    values = all_gather(x, axis_name)[members]
-    total = values[0]
-    for m in range(1, len(groups[0])):
-        total = total + values[m]
-    return total
-
-
-def _exact_group_sum(x: jax.Array, axis_name: Any, groups: Groups) -> jax.Array:
-    """The group sum without `axis_index_groups`, by the cheaper of the two methods.
-
-    Per-device traffic in units of x's bytes, for n replicas in groups of size k:
-    the one-hot all-reduce moves about 2(n-1)/n * n/k (a ring all-reduce of n/k
-    copies); the permutes move k-1. The permutes win while k(k-1) < 2(n-1).
-    """
-    n, k = sum(len(g) for g in groups), len(groups[0])
-    if k * (k - 1) < 2 * (n - 1):
-        if _under_vmap(axis_name):
-            return _gathered_group_sum(x, axis_name, groups)
-        return _permute_group_sum(x, axis_name, groups)
-    return _one_hot_group_sum(x, axis_name, groups)
-
-
-def group_sum(x: jax.Array, axis_name: Any, groups: Groups | None) -> jax.Array:
-    """`psum` of `x` over `axis_name`, within each group of `groups` if given.
-
-    Uses `axis_index_groups` where JAX supports it (`jax.pmap`), and the exact
-    replacement of `_exact_group_sum` where it does not (`jax.shard_map`, `jax.vmap`).
-    """
-    if groups is None:
-        return lax.psum(x, axis_name)
-    if len(groups) == 1:
-        return lax.psum(x, axis_name)
-    if len(groups[0]) == 1:
-        return x
-    try:
-        return lax.psum(x, axis_name, axis_index_groups=[list(g) for g in groups])
-    except NotImplementedError:  # shard_map and vmap reject axis_index_groups
-        return _exact_group_sum(x, axis_name, groups)
+from optax_accum import _checks, _collectives, _compat
 
 
 def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
@@ -286,25 +80,21 @@ def cross_shard(
     With `group_assignment`, replicas are reduced only within their subgroup (replica
     ids are indices along `axis_name`; for a tuple of names, the row-major index),
     and MEAN divides by the subgroup size. Under `jax.pmap` this is
-    `axis_index_groups`. `jax.shard_map` and `jax.vmap` do not support
-    `axis_index_groups`, so there each replica gets its group's exact sum by the
-    cheaper of two methods, costed per device in units of the gradient's bytes for
-    n replicas in groups of size k: k-1 collective permutes (every member receives
-    the others' values and adds them in the group's member order), or one all-reduce
-    of a buffer n/k times the gradient's size holding each replica's value in its
-    group's row (about 2(n-1)/k, versus 2(n-1)/n for a plain all-reduce). The
-    permutes are chosen while k(k-1) < 2(n-1). Both give bit-identical results on
-    every member of a group. Nested `jax.vmap`s with a tuple `axis_name` (e.g.
-    `("b", "a")`) cannot permute over several names, so there every value is
-    gathered and each group's added in the same member order: the same bits. Under
-    `jax.shard_map`, each replica's gradient must be its own (varying over the axis):
-    take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`, since
-    `jax.grad` with respect to replicated params already returns the sum over the
-    axis (a replica-invariant gradient is an error, not silently summed twice).
-    When the devices can be laid out by group, a mesh from
-    `optax_accum.replica_group_mesh` turns the groups into a mesh axis and the
-    reduction into a plain all-reduce over it: the fast path on a pod.
+    `axis_index_groups`. `jax.shard_map` and `jax.vmap` do not support it, so there
+    each replica gets its group's exact sum by k-1 collective permutes (for groups of
+    size k) or by one all-reduce of a buffer n/k times the gradient's size (for n
+    replicas), whichever moves fewer bytes (`docs/design.md` has the costs). Every
+    member of a group gets the same bits. When the devices can be laid out by group,
+    a mesh from `optax_accum.replica_group_mesh` turns the groups into a mesh axis
+    and the reduction into a plain all-reduce over it: the fast path on a pod.
 
+    Under `jax.shard_map`, each replica's gradient must be its own (varying over the
+    axis): take it with respect to `jax.lax.pcast(params, axis_name, to="varying")`,
+    since `jax.grad` with respect to replicated params already returns the sum over
+    the axis (a replica-invariant gradient is an error, not silently summed twice).
+
+    TF counterpart: `tf.tpu.CrossShardOptimizer(opt, reduction, name,
+    group_assignment)`, here without the optimizer (`cross_shard_optimizer` has it).
     Differences from TF: TF scales the loss by 1/num_shards and sums the gradients;
     this averages the gradients themselves (same numbers; it also holds for gradients
     computed outside the wrapper). TF does not reject a group_assignment that repeats
@@ -320,8 +110,8 @@ def cross_shard(
         `jnp.bfloat16`, half the bytes of float32). Gradients are cast to it for the
         reduction and back to their own dtype after; MEAN divides before the cast, so
         the sum cannot overflow where the mean would not. The cross-replica sum is
-        rounded to this dtype (XLA's CPU backend computes bfloat16 all-reduces in
-        float32, so the saving shows on TPU and GPU).
+        rounded to this dtype. The bytes are saved on TPU and GPU (XLA:CPU computes
+        bfloat16 all-reduces in float32).
       pack: if True, all leaves (of one dtype) travel in one flat buffer, so a step
         issues one collective instead of one per leaf, at the cost of a copy in and
         out of the buffer. XLA often combines per-leaf all-reduces itself; packing
@@ -346,28 +136,28 @@ def cross_shard(
       >>> jax.vmap(step, axis_name="i")(jnp.arange(4.0))  # replica r sends r
       Array([1., 2., 1., 2.], dtype=float32)
     """
-    _common.require_axis_name("axis_name", axis_name)
+    _checks.require_axis_name("axis_name", axis_name)
     if axis_name is None:
         raise TypeError("axis_name must be an axis name (str) or a tuple of axis names, got None")
-    mean = _common.canonical_reduction(reduction) == "mean"
-    groups = validate_group_assignment(group_assignment)
-    wire_dtype = _common.floating_dtype("communication_dtype", communication_dtype)
-    pack = _common.require_bool("pack", pack)
+    mean = _checks.canonical_reduction(reduction) == "mean"
+    groups = _collectives.validate_group_assignment(group_assignment)
+    wire_dtype = _checks.floating_dtype("communication_dtype", communication_dtype)
+    pack = _checks.require_bool("pack", pack)
 
     def reduce(x: jax.Array, divisor: int) -> jax.Array:
         dtype = x.dtype
         if wire_dtype is not None:
             if mean:
                 x = x / jnp.asarray(divisor, dtype)
-            total = group_sum(x.astype(wire_dtype), axis_name, groups).astype(dtype)
+            total = _collectives.group_sum(x.astype(wire_dtype), axis_name, groups).astype(dtype)
             return total
         if mean and groups is None:
             return lax.pmean(x, axis_name)
-        total = group_sum(x, axis_name, groups)
+        total = _collectives.group_sum(x, axis_name, groups)
         return total / jnp.asarray(divisor, dtype) if mean else total
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        _common.require_floating_params(params)
+        _checks.require_floating_params(params)
         return optax.EmptyState()
 
     def update_fn(
@@ -377,10 +167,10 @@ def cross_shard(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params, extra_args
-        _common.require_bound_axis(axis_name)
+        _checks.require_bound_axis(axis_name)
         if groups is not None:
-            check_group_assignment_size(groups, axis_name)
-        divisor = axis_size(axis_name) if groups is None else len(groups[0])
+            _collectives.check_group_assignment_size(groups, axis_name)
+        divisor = _collectives.axis_size(axis_name) if groups is None else len(groups[0])
         leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         for path, leaf in leaves:
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
@@ -437,7 +227,7 @@ def cross_shard_optimizer(
       Array([[-2., -3.],
              [-2., -3.]], dtype=float32)
     """
-    inner = _common.require_transformation("inner", inner)
+    inner = _checks.require_transformation("inner", inner)
     return optax.chain(
         cross_shard(
             axis_name,

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from optax_accum import _common
-from optax_accum.indexed_slices import IndexedSlices, row_ids
+from optax_accum import _checks, _row_ids
+from optax_accum.indexed_slices import IndexedSlices
 
 
 def _table_paths(loss_fn: Callable, params: Any, args: tuple, kwargs: dict) -> list:
@@ -78,6 +78,9 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
     the forward pass, as `nn.Embed` does, and are padding in the gradient (the id
     `rows`); ids of any integer dtype are returned as int32 row ids.
 
+    TF counterpart: TF's gradient of `tf.nn.embedding_lookup` (a `tf.gather`) is a
+    `tf.IndexedSlices` by itself; this gives JAX and Flax the same.
+
     Args:
       loss_fn: `loss_fn(params, *args, **kwargs) -> loss` (or `(loss, aux)`).
       has_aux: whether `loss_fn` returns `(loss, aux)`.
@@ -99,7 +102,7 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r} ({type(loss_fn).__name__})")
-    has_aux = _common.require_bool("has_aux", has_aux)
+    has_aux = _checks.require_bool("has_aux", has_aux)
 
     def value_and_grad_fn(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         calls = _table_paths(loss_fn, params, args, kwargs)
@@ -143,7 +146,7 @@ def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Cal
             table = by_path[path]
             mine = [k for k, (p, _) in enumerate(calls) if p == path]
             ids = jnp.concatenate([jnp.ravel(looked_up[k]) for k in mine])
-            ids = row_ids(ids, jnp.shape(table)[0])  # exact for every id dtype
+            ids = _row_ids.row_ids(ids, jnp.shape(table)[0])  # exact for every id dtype
             rows = jnp.concatenate(
                 [delta_grads[k].reshape((-1, *jnp.shape(table)[1:])) for k in mine]
             )

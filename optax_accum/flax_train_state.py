@@ -15,8 +15,7 @@ from typing import Any
 from flax import nnx
 from flax.training import train_state
 
-from optax_accum import _common
-from optax_accum.train_step import _apply_gradients
+from optax_accum import _checks, _fused
 
 
 class TrainState(train_state.TrainState):
@@ -85,7 +84,7 @@ class TrainState(train_state.TrainState):
         extra_args = {k: v for k, v in kwargs.items() if k not in fields}
         split = isinstance(grads, dict) and train_state.OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if split else self.params
-        new_params, opt_state, _ = _apply_gradients(
+        new_params, opt_state, _ = _fused.fused_step(
             self.tx, grads["params"] if split else grads, self.opt_state, params, **extra_args
         )
         if split:
@@ -123,7 +122,7 @@ class NNXOptimizer(nnx.Optimizer):
     """
 
     def __init__(self, model: Any, tx: Any, **kwargs: Any) -> None:
-        super().__init__(model, _common.require_transformation("tx", tx), **kwargs)
+        super().__init__(model, _checks.require_transformation("tx", tx), **kwargs)
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         """Applies `grads` to `model` with `tx` (extra keywords go to `tx.update`).
@@ -134,7 +133,7 @@ class NNXOptimizer(nnx.Optimizer):
         graph = {"graph": self.graph} if hasattr(self, "graph") else {}
         params = nnx.as_pure(nnx.state(model, self.wrt, **graph))
         grads = nnx.as_pure(nnx.state(grads, self.wrt, **graph))
-        new_params, opt_state, updates = _apply_gradients(
+        new_params, opt_state, updates = _fused.fused_step(
             self.tx, grads, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
         )
         nnx.update(model, new_params)

@@ -29,11 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-_MISUSE_HINT = (
-    "an element-wise transform (optax.sgd, optax.adam, optax.scale, ...) was probably "
-    "applied to a raw IndexedSlices and changed its indices; put optax_accum.densify() "
-    "before a dense optimizer, or use optax_accum.sparse_sgd"
-)
+from optax_accum import _row_ids
 
 
 def _is_array_like(x: Any) -> bool:
@@ -72,13 +68,6 @@ def _check_leaf_kind(name: str, leaf: Any) -> None:
             f"IndexedSlices {name} must be an array (jax.Array or numpy.ndarray), got "
             f"{type(leaf).__name__}; wrap it in jnp.asarray"
         )
-
-
-def _check_index_dtype(indices: Any) -> None:
-    """TypeError when indices have a floating dtype: the sign of a transform misuse."""
-    dtype = getattr(indices, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
-        raise TypeError(f"IndexedSlices.indices must be integer, got dtype {dtype}: {_MISUSE_HINT}")
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -129,7 +118,7 @@ class IndexedSlices:
         _check_leaf_kind("indices", indices)
         _check_leaf_kind("values", values)
         if _is_array_like(indices) and _is_array_like(values):
-            _validate(indices, values, shape)
+            _row_ids.check_rows(indices, values, shape)
         self.indices = indices
         self.values = values
         self.dense_shape = shape
@@ -143,7 +132,7 @@ class IndexedSlices:
     @classmethod
     def tree_unflatten(cls, dense_shape: tuple[int, ...], children: Any) -> IndexedSlices:
         indices, values = children
-        _check_index_dtype(indices)
+        _row_ids.check_index_dtype(indices)
         node = object.__new__(cls)
         node.indices, node.values, node.dense_shape = indices, values, dense_shape
         return node
@@ -213,7 +202,7 @@ class IndexedSlices:
                 f"{self.dense_shape} (dim 0 unknown, as TF's accumulators return); use "
                 "optax_accum.apply_updates with params, or rebuild with a known dense_shape"
             )
-        return scatter_add(jnp.zeros(self.dense_shape, self.values.dtype), self)
+        return _scatter_add(jnp.zeros(self.dense_shape, self.values.dtype), self)
 
     def __repr__(self) -> str:
         return (
@@ -239,78 +228,20 @@ class IndexedSlices:
         raise TypeError("IndexedSlices is not an array; call .to_dense() to make one")
 
 
-def _validate(indices: Any, values: Any, dense_shape: tuple[int, ...]) -> None:
-    """The trace-time checks of the constructor, in TF's order."""
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-        _check_index_dtype(indices)
-        raise TypeError(f"indices must be an integer vector, got dtype {indices.dtype}")
-    if len(indices.shape) != 1:
-        raise ValueError(f"indices must be a vector, got shape {tuple(indices.shape)}")
-    if len(values.shape) < 1:
-        raise ValueError("values must have rank >= 1 (one row per index), got a scalar")
-    if values.shape[0] != indices.shape[0]:
-        raise ValueError(
-            f"values must have one row per index: expected {indices.shape[0]} rows, "
-            f"got values of shape {tuple(values.shape)}"
-        )
-    if tuple(values.shape[1:]) != dense_shape[1:]:
-        raise ValueError(
-            f"values rows must have shape dense_shape[1:] = {dense_shape[1:]}, "
-            f"got {tuple(values.shape[1:])}"
-        )
-
-
-def is_indexed_slices(x: Any) -> bool:
+def _is_indexed_slices(x: Any) -> bool:
     """True for an `IndexedSlices` (use as `is_leaf` in `jax.tree` maps)."""
     return isinstance(x, IndexedSlices)
 
 
-def check_indices(x: IndexedSlices, *, what: str = "updates") -> None:
-    """Trace-time check that `x.indices` is an integer vector matching its values."""
-    dtype = jnp.result_type(x.indices)
-    _check_index_dtype(x.indices)
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{what}.indices must be integer, got dtype {dtype}")
-    _validate(x.indices, x.values, x.dense_shape)
-
-
-def in_range(indices: jax.Array, num_rows: int) -> jax.Array:
-    """Where `0 <= indices < num_rows`, exactly for every integer dtype.
-
-    The bound is compared in the indices' own dtype only when that dtype holds it
-    (as `uint8` does not hold 256), so no id wraps around.
-    """
-    dtype = jnp.result_type(indices)
-    info = jnp.iinfo(dtype)
-    if num_rows > info.max:
-        below = jnp.ones(jnp.shape(indices), bool)
-    else:
-        below = indices < np.asarray(num_rows, dtype)
-    return below & (indices >= np.asarray(0, dtype)) if info.min < 0 else below
-
-
-def row_ids(indices: jax.Array, num_rows: int) -> jax.Array:
-    """`indices` as int32 row ids of a `num_rows`-row table, every id outside
-    `[0, num_rows)` (negative, too large, or wider than int32) mapped to the padding
-    id `num_rows`."""
-    rows = jnp.asarray(indices).astype(jnp.int32)  # ids out of int32 range are masked
-    return jnp.where(in_range(indices, num_rows), rows, jnp.int32(num_rows))
-
-
-def num_out_of_range(indices: jax.Array, num_rows: int) -> jax.Array:
-    """int32: how many ids lie outside `[0, num_rows]` (the padding id is not counted)."""
-    return jnp.sum(~in_range(indices, num_rows + 1), dtype=jnp.int32)
-
-
-def scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
+def _scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
     """`target` plus the rows of `slices` (cast to `target`'s dtype); padding ignored."""
     values = slices.values.astype(target.dtype)
-    return target.at[row_ids(slices.indices, target.shape[0])].add(values, mode="drop")
+    return target.at[_row_ids.row_ids(slices.indices, target.shape[0])].add(values, mode="drop")
 
 
-def check_against(param: Any, slices: IndexedSlices, where: str) -> None:
+def _check_against(param: Any, slices: IndexedSlices, where: str) -> None:
     """Trace-time check that `slices` is a valid sparse update of `param`."""
-    check_indices(slices, what=where)
+    _row_ids.check_indices(slices, what=where)
     shape = tuple(jnp.shape(param))
     rows, tail = slices.dense_shape[0], slices.dense_shape[1:]
     if not shape or tail != shape[1:] or rows not in (-1, shape[0]):
@@ -327,6 +258,9 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
     does, and an `IndexedSlices` leaf adds its rows into its param (repeated indices
     add up, padding and out-of-range indices are ignored), touching no other row.
     `dense_shape[0] == -1` takes the row count from the param.
+
+    TF counterpart: what `Optimizer.apply_gradients` does with a `tf.IndexedSlices`
+    gradient, a scatter-add of its rows (`tf.compat.v1.scatter_add`).
 
     Args:
       params: the parameters (dense arrays).
@@ -352,7 +286,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
       ([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]], [1.0, 1.0])
     """
 
-    leaf = lambda x: x is None or is_indexed_slices(x)  # noqa: E731
+    leaf = lambda x: x is None or _is_indexed_slices(x)  # noqa: E731
     expected, got = (
         jax.tree.structure(params, is_leaf=leaf),
         jax.tree.structure(updates, is_leaf=leaf),
@@ -364,8 +298,8 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
 
     def apply(path: Any, p: Any, u: Any) -> Any:
         if isinstance(u, IndexedSlices):
-            check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
-            return scatter_add(jnp.asarray(p), u)
+            _check_against(p, u, f"updates{jax.tree_util.keystr(path)}")
+            return _scatter_add(jnp.asarray(p), u)
         if p is None or u is None or not hasattr(u, "dtype") or u.dtype == jnp.result_type(p):
             return optax.apply_updates(p, u)
         # Mixed precision (float32 updates on bfloat16 params, say): added in the
@@ -385,6 +319,9 @@ def densify() -> optax.GradientTransformationExtraArgs:
     anywhere sparse gradients meet a transform that expects arrays. Dense leaves pass
     through. Slices with an unknown row count take it from the params.
 
+    TF counterpart: `tf.convert_to_tensor` of a `tf.IndexedSlices`, which sums its rows
+    into a dense tensor.
+
     Returns:
       An `optax.GradientTransformationExtraArgs` with an empty state.
 
@@ -402,14 +339,14 @@ def densify() -> optax.GradientTransformationExtraArgs:
             return u
         where = f"updates{jax.tree_util.keystr(path)}"
         if p is not None:
-            check_against(p, u, where)
-            return scatter_add(jnp.zeros(jnp.shape(p), u.values.dtype), u)
-        check_indices(u, what=where)
+            _check_against(p, u, where)
+            return _scatter_add(jnp.zeros(jnp.shape(p), u.values.dtype), u)
+        _row_ids.check_indices(u, what=where)
         return u.to_dense()
 
     def densify_tree(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
         trees = (updates,) if params is None else (updates, params)
-        return jax.tree_util.tree_map_with_path(to_dense, *trees, is_leaf=is_indexed_slices)
+        return jax.tree_util.tree_map_with_path(to_dense, *trees, is_leaf=_is_indexed_slices)
 
     return optax.with_extra_args_support(optax.stateless(densify_tree))
 

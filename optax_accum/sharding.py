@@ -19,8 +19,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _common, _compat
-from optax_accum.cross_shard import validate_group_assignment
+from optax_accum import _checks, _collectives, _compat
 
 
 def replica_group_mesh(
@@ -41,6 +40,9 @@ def replica_group_mesh(
     To feed replica r the data it gets in the 1-D program, order the batch's leading
     (replica) axis by `np.ravel(group_assignment)` before sharding it over
     `P(axis_names)` (see the example).
+
+    TF counterpart: none; TF on a TPU passes `group_assignment` to its collectives,
+    as `cross_shard(group_assignment=...)` does.
 
     Args:
       group_assignment: a valid group assignment (see `cross_shard`), covering all
@@ -71,7 +73,7 @@ def replica_group_mesh(
       >>> out[np.argsort(order)]  # back in replica order: 0+3+5+6 and 1+2+4+7
       Array([14., 14., 14., 14., 14., 14., 14., 14.], dtype=float32)
     """
-    groups = validate_group_assignment(group_assignment)
+    groups = _collectives.validate_group_assignment(group_assignment)
     if groups is None:
         raise ValueError(
             f"group_assignment must be a non-empty list of list, got {group_assignment!r}"
@@ -157,6 +159,9 @@ def state_partition_specs(
     Use the specs as the state's `in_specs` and `out_specs`, and create the state with
     `jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)`.
 
+    TF counterpart: none; TF1 placed optimizer variables with device scopes, and a TPU
+    replica kept a copy of each.
+
     Args:
       tx: the transform, built with the mesh's axis names where it takes one.
       params: the (replicated) params, or matching `jax.ShapeDtypeStruct` values.
@@ -185,15 +190,12 @@ def state_partition_specs(
       >>> tuple(specs.accumulator), tuple(specs.global_step)  # P("data"), P()
       (('data',), ())
     """
-    _common.require_transformation("tx", tx)
+    _checks.require_transformation("tx", tx)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r} ({type(mesh).__name__})")
     order = tuple(mesh.axis_names)
-    axes = frozenset(order if grad_axes is None else grad_axes)
-    p_axes = frozenset(param_axes)
-    for name, given in (("grad_axes", axes), ("param_axes", p_axes)):
-        if given - set(order):
-            raise ValueError(f"{name} must name axes of the mesh {order}, got {sorted(given)}")
+    axes = _mesh_axes("grad_axes", order if grad_axes is None else grad_axes, order)
+    p_axes = _mesh_axes("param_axes", param_axes, order)
     params_s = _struct(params)
     grads_s = params_s if grads is None else _struct(grads)
     state_s = jax.eval_shape(tx.init, params_s)
@@ -212,20 +214,32 @@ def state_partition_specs(
     paths = [
         jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state_s)[0]
     ]
-    specs = []
-    for path, leaf, v in zip(paths, leaves, varying, strict=True):
-        if not v:
-            specs.append(P())
-            continue
-        if not leaf.shape:
-            raise ValueError(
-                f"state{path} is a scalar that differs between replicas over {sorted(v)}, so "
-                "it has no PartitionSpec; build the transform with axis_name set to those "
-                "axes so that the replicas agree on it"
-            )
-        names = tuple(a for a in order if a in v)
-        specs.append(P(names[0] if len(names) == 1 else names))
+    specs = [
+        _spec(path, leaf, v, order) for path, leaf, v in zip(paths, leaves, varying, strict=True)
+    ]
     return treedef.unflatten(specs)
+
+
+def _mesh_axes(name: str, given: Sequence[str], order: tuple) -> frozenset:
+    """`given` as a set, checked to name axes of the mesh (whose axes are `order`)."""
+    axes = frozenset(given)
+    if axes - set(order):
+        raise ValueError(f"{name} must name axes of the mesh {order}, got {sorted(axes)}")
+    return axes
+
+
+def _spec(path: str, leaf: Any, varying: frozenset, order: tuple) -> P:
+    """The spec of a state leaf that varies over the mesh axes `varying`."""
+    if not varying:
+        return P()
+    if not leaf.shape:
+        raise ValueError(
+            f"state{path} is a scalar that differs between replicas over {sorted(varying)}, "
+            "so it has no PartitionSpec; build the transform with axis_name set to those "
+            "axes so that the replicas agree on it"
+        )
+    names = tuple(a for a in order if a in varying)
+    return P(names[0] if len(names) == 1 else names)
 
 
 __all__ = ["replica_group_mesh", "state_partition_specs"]

@@ -18,17 +18,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _common
-from optax_accum.accumulator import NumRequired, _num_required_fn
-from optax_accum.cross_shard import all_gather
-from optax_accum.indexed_slices import (
-    IndexedSlices,
-    check_indices,
-    in_range,
-    is_indexed_slices,
-    num_out_of_range,
-    row_ids,
-)
+from optax_accum import _branch, _checks, _collectives, _counters, _row_ids, _sums
+from optax_accum.indexed_slices import IndexedSlices
 
 
 class RowBuffer(NamedTuple):
@@ -43,6 +34,21 @@ class RowBuffer(NamedTuple):
         release only resets `size`, so it costs nothing per table row.
       slot_of: int32 `[table rows]`, the slot of each row; an entry counts only if it
         points below `size` at a slot whose `rows` entry is that row.
+
+    Read a held row's running sum through the map (TF keeps no such buffer: its
+    accumulator stores the gradients' rows as they come).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=2)
+      >>> state = tx.init(jnp.zeros((5, 1)))
+      >>> g = optax_accum.IndexedSlices(jnp.array([3, 3]), jnp.ones((2, 1)), (5, 1))
+      >>> _, state = tx.update(g, state)  # row 3, twice: summed, counted once
+      >>> buf = state.accumulator
+      >>> slot = int(buf.slot_of[3])
+      >>> int(buf.size), int(buf.rows[slot]), float(buf.values[slot, 0]), int(buf.touches[slot])
+      (1, 3, 2.0, 1)
     """
 
     rows: jax.Array
@@ -59,10 +65,24 @@ class DenseRows(NamedTuple):
     leaf touches its distinct row ids. MEAN divides each row by its count, so a row's
     mean does not depend on whether its leaf is kept sparse or dense.
 
+    TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
+    for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
+
     Attributes:
       values: the sum of the accepted gradients, shaped like the param, in the
         accumulator's dtype (float32 for float16 and bfloat16 params).
       touches: int32 `[rows]` (a scalar for a scalar param), the count of each row.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=3, capacity=8)
+      >>> state = tx.init(jnp.zeros((4, 1)))  # 4 rows, not more than capacity: dense
+      >>> _, state = tx.update(jnp.ones((4, 1)), state)
+      >>> g = optax_accum.IndexedSlices(jnp.array([1]), jnp.ones((1, 1)), (4, 1))
+      >>> _, state = tx.update(g, state)
+      >>> state.accumulator.touches.tolist(), state.accumulator.values[:, 0].tolist()
+      ([1, 2, 1, 1], [1.0, 2.0, 1.0, 1.0])
     """
 
     values: jax.Array
@@ -109,6 +129,10 @@ class SparseConditionalAccumulatorState(NamedTuple):
     inner_state: optax.OptState
 
 
+def _is_slices(x: Any) -> bool:
+    return isinstance(x, IndexedSlices)
+
+
 def _is_buffer(x: Any) -> bool:
     return isinstance(x, RowBuffer)
 
@@ -123,19 +147,19 @@ def _num_rows(acc: RowBuffer | DenseRows) -> int:
 
 def _dense_rows(param: Any) -> DenseRows:
     return DenseRows(
-        values=_common.zeros_accumulator(param),
+        values=_sums.zeros_accumulator(param),
         touches=jnp.zeros(jnp.shape(param)[:1], jnp.int32),
     )
 
 
 def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
     shape = jnp.shape(param)
-    dtype = _common.accumulator_dtype_for(jnp.result_type(param), None)
+    dtype = _sums.accumulator_dtype_for(jnp.result_type(param), None)
     return RowBuffer(
         rows=jnp.full((capacity,), shape[0], jnp.int32),
         values=jnp.zeros((capacity, *shape[1:]), dtype),
         touches=jnp.zeros((capacity,), jnp.int32),
-        size=_common.int32(0),
+        size=_counters.int32(0),
         slot_of=jnp.full((shape[0],), -1, jnp.int32),
     )
 
@@ -151,22 +175,27 @@ def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
             f"the params returning one): expected {jax.tree.structure(params)}, "
             f"got {jax.tree.structure(mask)}"
         )
-    flat = []
-    for (path, p), m in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
-    ):
-        where = jax.tree_util.keystr(path)
-        if not isinstance(m, bool | np.bool_):
-            raise TypeError(f"sparse{where} must be a bool, got {m!r} ({type(m).__name__})")
-        if m and jnp.ndim(p) < 1:
-            raise ValueError(f"params{where} is a scalar and cannot be sparse")
-        if m and jnp.shape(p)[0] == 0:
-            raise ValueError(
-                f"params{where} must have at least one row to be sparse, got shape "
-                f"{tuple(jnp.shape(p))}"
-            )
-        flat.append(bool(m))
+    flat = [
+        _sparse_flag(jax.tree_util.keystr(path), p, m)
+        for (path, p), m in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
+        )
+    ]
     return jax.tree.unflatten(jax.tree.structure(params), flat)
+
+
+def _sparse_flag(where: str, param: Any, flag: Any) -> bool:
+    """One leaf's entry of the `sparse` tree, checked against its param."""
+    if not isinstance(flag, bool | np.bool_):
+        raise TypeError(f"sparse{where} must be a bool, got {flag!r} ({type(flag).__name__})")
+    if flag and jnp.ndim(param) < 1:
+        raise ValueError(f"params{where} is a scalar and cannot be sparse")
+    if flag and jnp.shape(param)[0] == 0:
+        raise ValueError(
+            f"params{where} must have at least one row to be sparse, got shape "
+            f"{tuple(jnp.shape(param))}"
+        )
+    return bool(flag)
 
 
 # --------------------------------------------------------------------------- checks
@@ -174,38 +203,37 @@ def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
 
 def _check_updates(updates: Any, accumulator: Any) -> None:
     """Trace-time check of the gradient tree against the accumulator's leaves."""
-    got = jax.tree.structure(updates, is_leaf=is_indexed_slices)
+    got = jax.tree.structure(updates, is_leaf=_is_slices)
     expected = jax.tree.structure(accumulator, is_leaf=_is_accumulator)
     if got != expected:
         raise ValueError(
             "updates must have the tree structure of the params given to init: "
             f"expected {expected}, got {got}"
         )
-    flat, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_indexed_slices)
+    flat, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_slices)
     for (path, u), a in zip(
         flat, jax.tree.leaves(accumulator, is_leaf=_is_accumulator), strict=True
     ):
         where = f"updates{jax.tree_util.keystr(path)}"
-        if _is_buffer(a) and not isinstance(u, IndexedSlices):
+        if isinstance(u, IndexedSlices):
+            _check_slices(where, u, a)
+        elif _is_buffer(a):
             raise TypeError(
                 f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
                 f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
             )
-        if isinstance(u, IndexedSlices):
-            table = (a.slot_of.shape[0], *a.values.shape[1:]) if _is_buffer(a) else a.values.shape
-            if (
-                not table
-                or u.dense_shape[1:] != tuple(table[1:])
-                or u.dense_shape[0] not in (-1, table[0])
-            ):
-                raise ValueError(
-                    f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}"
-                )
-            check_indices(u, what=where)
-            if not jnp.issubdtype(u.values.dtype, jnp.floating):
-                raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
         else:
-            _common.check_tree_matches(u, a.values, what=where)
+            _checks.check_tree_matches(u, a.values, what=where)
+
+
+def _check_slices(where: str, u: IndexedSlices, acc: RowBuffer | DenseRows) -> None:
+    """Trace-time check of an `IndexedSlices` gradient against its leaf's accumulator."""
+    table = (acc.slot_of.shape[0], *acc.values.shape[1:]) if _is_buffer(acc) else acc.values.shape
+    if not table or u.dense_shape[1:] != tuple(table[1:]) or u.dense_shape[0] not in (-1, table[0]):
+        raise ValueError(f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}")
+    _row_ids.check_indices(u, what=where)
+    if not jnp.issubdtype(u.values.dtype, jnp.floating):
+        raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
 
 
 def _all_finite(grads: list, accs: list) -> jax.Array:
@@ -214,10 +242,10 @@ def _all_finite(grads: list, accs: list) -> jax.Array:
     def real_rows(g: Any, a: Any) -> Any:
         if not isinstance(g, IndexedSlices):
             return g
-        real = in_range(g.indices, _num_rows(a))
+        real = _row_ids.in_range(g.indices, _num_rows(a))
         return jnp.where(real.reshape((-1,) + (1,) * (g.values.ndim - 1)), g.values, 0)
 
-    return _common.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
+    return _sums.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
 
 
 def _add_dense(accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any) -> DenseRows:
@@ -226,7 +254,7 @@ def _add_dense(accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any) ->
     a gradient not accepted is aimed out of range, so nothing is written."""
     if rows is None:
         return DenseRows(
-            _common.add_where(accepted, acc.values, gradient),
+            _sums.add_where(accepted, acc.values, gradient),
             jnp.where(accepted, acc.touches + 1, acc.touches),
         )
     ids, values = rows
@@ -273,7 +301,7 @@ def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
     """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
 
     `rows` are int32 row ids, with every id outside the table already the padding id
-    (see `row_ids`).
+    (see `_row_ids.row_ids`).
 
     A map entry is trusted only if it points below `size` at a slot holding that row,
     so a release never has to clear the map. Duplicate ids count once: an occurrence of
@@ -366,7 +394,7 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
     The gathered stack is the same on every replica; saying so keeps the row buffers
     built from it invariant, so they need no mesh axis in a shard_map state spec.
     """
-    return all_gather(x, axis_name, invariant=True)
+    return _collectives.all_gather(x, axis_name, invariant=True)
 
 
 # --------------------------------------------------------------------------- duplicates
@@ -454,7 +482,7 @@ def _insert_all(
 
 def sparse_conditional_accumulator(
     inner: optax.GradientTransformation,
-    num_required: NumRequired,
+    num_required: _counters.NumRequired,
     *,
     capacity: int,
     reduction: str = "mean",
@@ -505,13 +533,14 @@ def sparse_conditional_accumulator(
     gradient's dtype. (On one device, duplicates are added by a scatter, in the order
     the backend chooses; GPUs do not fix it.)
 
-    Cost: an update does a few gathers and scatters over the gradient's rows (no sort;
-    the row-to-slot map is updated in place when the state is donated); a release
-    sorts the `capacity` row ids and resets only a counter. Nothing scales with the
-    table, except the map's memory (4 bytes per table row). With `axis_name`, each
-    replica also sorts its own gradient's row ids every step.
+    Cost: an update does a few gathers and scatters over the gradient's rows, and no
+    sort; a release sorts the `capacity` row ids. Nothing scales with the table,
+    except the map's memory (4 bytes per table row). With `axis_name`, each replica
+    also sorts its own gradient's row ids every step. `docs/design.md` says how.
 
-    Differences from TF: duplicates and unsorted ids follow their dense meaning (TF
+    TF counterpart: `tf.sparse.SparseConditionalAccumulator` (its
+    `apply_indexed_slices_grad` and `take_indexed_slices_grad`). Differences from
+    TF: duplicates and unsorted ids follow their dense meaning (TF
     keeps duplicates apart); out-of-range ids are ignored and counted in
     `num_out_of_range` instead of raising (values cannot raise inside jit); the
     release is padded to `capacity`.
@@ -556,26 +585,26 @@ def sparse_conditional_accumulator(
       >>> optax_accum.apply_updates(table, u)[:, 0].tolist()
       [-0.5, 0.0, 0.0, 0.0, -3.0]
     """
-    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
-    required = _num_required_fn(num_required)
-    capacity = _common.require_positive_int("capacity", capacity)
-    mean = _common.canonical_reduction(reduction) == "mean"
-    axis_name = _common.require_axis_name("axis_name", axis_name)
-    skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
+    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    required = _counters.num_required_fn(num_required)
+    capacity = _checks.require_positive_int("capacity", capacity)
+    mean = _checks.canonical_reduction(reduction) == "mean"
+    axis_name = _checks.require_axis_name("axis_name", axis_name)
+    skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
     if sparse is not None and not callable(sparse):
-        jax.tree.map(lambda m: _common.require_bool("sparse", m), sparse)
+        jax.tree.map(lambda m: _checks.require_bool("sparse", m), sparse)
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
-        _common.require_floating_params(params)
+        _checks.require_floating_params(params)
         mask = _sparse_mask(sparse, params, capacity)
         # Each counter gets its own buffer, so the state can be donated as it comes.
         return SparseConditionalAccumulatorState(
-            global_step=_common.int32(0),
-            count=_common.int32(0),
-            num_dropped=_common.int32(0),
-            num_nonfinite=_common.int32(0),
-            num_overflowed=_common.int32(0),
-            num_out_of_range=_common.int32(0),
+            global_step=_counters.int32(0),
+            count=_counters.int32(0),
+            num_dropped=_counters.int32(0),
+            num_nonfinite=_counters.int32(0),
+            num_overflowed=_counters.int32(0),
+            num_out_of_range=_counters.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
                 lambda p, m: _empty_buffer(p, capacity) if m else _dense_rows(p),
@@ -593,11 +622,11 @@ def sparse_conditional_accumulator(
         local_step: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
-        _common.require_state(state, SparseConditionalAccumulatorState)
+        _checks.require_state(state, SparseConditionalAccumulatorState)
         _check_updates(updates, state.accumulator)
-        step = _common.local_step_or(local_step, state.global_step)
+        step = _counters.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step
-        grads = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
+        grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
         finite = _all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True)
         offered = fresh & finite
@@ -608,11 +637,11 @@ def sparse_conditional_accumulator(
         out_of_range = jnp.int32(0)
         for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
             if isinstance(g, IndexedSlices):
-                out_of_range = out_of_range + num_out_of_range(g.indices, _num_rows(a))
-                slices[i] = (row_ids(g.indices, _num_rows(a)), g.values)
+                out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, _num_rows(a))
+                slices[i] = (_row_ids.row_ids(g.indices, _num_rows(a)), g.values)
         sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
         if axis_name is not None:
-            _common.require_bound_axis(axis_name)
+            _checks.require_bound_axis(axis_name)
             # Each replica sums its own gradient's duplicate ids in a fixed order, so
             # every replica (and every run) gets the same bits whatever order a scatter
             # would add them in. Gathered in the gradient's dtype.
@@ -644,7 +673,7 @@ def sparse_conditional_accumulator(
         )
         if axis_name is not None:
             arrived = lax.psum(arrived, axis_name)
-        count = _common.saturating_add(state.count, arrived[0])
+        count = _counters.saturating_add(state.count, arrived[0])
         emit = count >= required(state.global_step)
 
         def aggregate(accumulator):
@@ -668,12 +697,12 @@ def sparse_conditional_accumulator(
             lambda a: _reset_if(emit, a), accumulator, is_leaf=_is_accumulator
         )
         new_state = SparseConditionalAccumulatorState(
-            global_step=_common.increment_if(emit, state.global_step),
+            global_step=_counters.increment_if(emit, state.global_step),
             count=jnp.where(emit, 0, count),
-            num_dropped=_common.saturating_add(state.num_dropped, arrived[1]),
-            num_nonfinite=_common.saturating_add(state.num_nonfinite, arrived[2]),
-            num_overflowed=_common.saturating_add(state.num_overflowed, arrived[3]),
-            num_out_of_range=_common.saturating_add(state.num_out_of_range, arrived[4]),
+            num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
+            num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
+            num_overflowed=_counters.saturating_add(state.num_overflowed, arrived[3]),
+            num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[4]),
             emitted=emit,
             accumulator=accumulator,
             inner_state=inner_state,
@@ -691,7 +720,7 @@ def _as_padding(tree: Any) -> Any:
             return u
         return IndexedSlices(jnp.full_like(u.indices, u.padding_index), u.values, u.dense_shape)
 
-    return jax.tree.map(pad, tree, is_leaf=is_indexed_slices)
+    return jax.tree.map(pad, tree, is_leaf=_is_slices)
 
 
 def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
@@ -702,6 +731,9 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
     and arrays: each update is `-learning_rate * gradient`, and sparse updates stay
     sparse, so `sparse_conditional_accumulator(sparse_sgd(lr), ...)` followed by
     `optax_accum.apply_updates` writes only the rows some gradient touched.
+
+    TF counterpart: `tf.train.GradientDescentOptimizer` applied to `tf.IndexedSlices`
+    gradients, which updates only their rows.
 
     Args:
       learning_rate: a scalar (may be traced, for `optax.inject_hyperparams`) or an
@@ -731,7 +763,7 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
         values = jax.tree.map(
             lambda u: u.values if isinstance(u, IndexedSlices) else u,
             updates,
-            is_leaf=is_indexed_slices,
+            is_leaf=_is_slices,
         )
         scaled, state = scale.update(values, state)
         rebuilt = jax.tree.map(
@@ -740,7 +772,7 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
             ),
             updates,
             scaled,
-            is_leaf=is_indexed_slices,
+            is_leaf=_is_slices,
         )
         return rebuilt, state
 

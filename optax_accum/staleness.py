@@ -18,8 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _common
-from optax_accum import state as optax_accum_state
+from optax_accum import _branch, _checks, _counters, _state_tree
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -110,6 +109,7 @@ def drop_stale_gradients(
     fresh replicas' gradients and drop only the stragglers', use
     `conditional_accumulator(..., axis_name=...)` instead.
 
+    TF counterpart: `tf.contrib.opt.DropStaleGradientOptimizer(opt, staleness)`.
     Differences from TF: none in the rule. A NaN or Inf in a dropped gradient never
     reaches the state; `staleness` may be a traced scalar (it works under
     `optax.inject_hyperparams`).
@@ -143,16 +143,16 @@ def drop_stale_gradients(
       >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
       0.333
     """
-    inner = optax.with_extra_args_support(_common.require_transformation("inner", inner))
+    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
     staleness = _check_staleness(staleness)
-    axis_name = _common.require_axis_name("axis_name", axis_name)
+    axis_name = _checks.require_axis_name("axis_name", axis_name)
 
     def init_fn(params: optax.Params) -> DropStaleGradientsState:
-        _common.require_floating_params(params)
+        _checks.require_floating_params(params)
         # Each counter gets its own buffer, so the state can be donated as it comes.
         return DropStaleGradientsState(
-            global_step=_common.int32(0),
-            num_dropped=_common.int32(0),
+            global_step=_counters.int32(0),
+            num_dropped=_counters.int32(0),
             emitted=jnp.asarray(False),
             inner_state=inner.init(params),
         )
@@ -165,11 +165,11 @@ def drop_stale_gradients(
         local_step: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, DropStaleGradientsState]:
-        _common.require_state(state, DropStaleGradientsState)
-        step = _common.local_step_or(local_step, state.global_step)
+        _checks.require_state(state, DropStaleGradientsState)
+        step = _counters.local_step_or(local_step, state.global_step)
         accept = _within(_lag(state.global_step, step), staleness)
         if axis_name is not None:
-            _common.require_bound_axis(axis_name)
+            _checks.require_bound_axis(axis_name)
             accept = lax.pmin(accept.astype(jnp.int32), axis_name) > 0
 
         # A dropped update passes the inner state on untouched (see _branch).
@@ -181,8 +181,8 @@ def drop_stale_gradients(
             params=params,
         )
         new_state = DropStaleGradientsState(
-            global_step=_common.increment_if(accept, state.global_step),
-            num_dropped=_common.increment_if(~accept, state.num_dropped),
+            global_step=_counters.increment_if(accept, state.global_step),
+            num_dropped=_counters.increment_if(~accept, state.num_dropped),
             emitted=accept,
             inner_state=inner_state,
         )
@@ -192,7 +192,7 @@ def drop_stale_gradients(
 
 
 def _find_state(state: Any) -> DropStaleGradientsState:
-    found = optax_accum_state._find(state, lambda n: isinstance(n, DropStaleGradientsState))
+    found = _state_tree.find(state, DropStaleGradientsState)
     if found is None:
         raise ValueError(
             f"state holds no DropStaleGradientsState (from drop_stale_gradients); got "
@@ -208,6 +208,18 @@ def staleness_percentage(state: Any) -> jax.Array:
     `optax.chain` or `optax.inject_hyperparams` states), as a float32 scalar. As in TF,
     it is not a true fraction of all updates: it exceeds 1 once the drops outnumber
     the accepted updates plus one.
+
+    TF counterpart: the "staleness percentage" that
+    `tf.contrib.opt.DropStaleGradientOptimizer` reports.
+
+    Args:
+      state: the state of `drop_stale_gradients`, or any state holding one.
+
+    Returns:
+      A float32 scalar.
+
+    Raises:
+      ValueError: when `state` holds no `DropStaleGradientsState`.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_accum

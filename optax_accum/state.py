@@ -1,75 +1,44 @@
 """Reading and setting the step counters of any optax_accum state, like TF's methods.
 
-Every stateful optax_accum transform keeps its counters in a NamedTuple with a
-`global_step` field. These functions find the outermost such state inside whatever the
-user holds (the transform's own state, an `optax.chain` tuple, an
-`optax.inject_hyperparams` state, a dict of them), so
-`global_step(opt_state)` works without knowing how the optimizer was composed.
+Every stateful optax_accum transform keeps its counters in its own NamedTuple state
+(`ConditionalAccumulatorState`, `SparseConditionalAccumulatorState`,
+`DropStaleGradientsState`, `AGNState`). These functions find the outermost such state,
+by its type, inside whatever the user holds (the transform's own state, an
+`optax.chain` tuple, an `optax.inject_hyperparams` or `optax.MultiSteps` state, a dict
+of them, a batch of states made under `jax.vmap`), so `global_step(opt_state)` works
+without knowing how the optimizer was composed.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _common
+from optax_accum import _counters, _state_tree
+from optax_accum.accumulator import ConditionalAccumulatorState
+from optax_accum.agn import AGNState
+from optax_accum.sparse import SparseConditionalAccumulatorState
+from optax_accum.staleness import DropStaleGradientsState
 
-
-def _is_step_state(node: Any) -> bool:
-    return isinstance(node, tuple) and hasattr(node, "_fields") and "global_step" in node._fields
-
-
-def _children(node: Any) -> list[tuple[Any, Any]]:
-    """(key, child) pairs of a container node that may hold a step state."""
-    if isinstance(node, dict):
-        return list(node.items())
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return [(f, getattr(node, f)) for f in node._fields]
-    if isinstance(node, list | tuple):
-        return list(enumerate(node))
-    return []
-
-
-def _find(node: Any, match: Callable[[Any], bool] = _is_step_state) -> Any | None:
-    """The outermost node of `node` for which `match` holds (breadth first), or None.
-
-    By default, the outermost step state.
-    """
-    frontier = [node]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            if match(n):
-                return n
-            nxt.extend(child for _, child in _children(n))
-        frontier = nxt
-    return None
-
-
-def _replace(node: Any, target: Any, new: Any) -> Any:
-    """`node` with the object `target` (found by identity) replaced by `new`."""
-    if node is target:
-        return new
-    if isinstance(node, dict):
-        return type(node)((k, _replace(v, target, new)) for k, v in node.items())
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return node._replace(**{f: _replace(getattr(node, f), target, new) for f in node._fields})
-    if isinstance(node, list | tuple):
-        return type(node)(_replace(v, target, new) for v in node)
-    return node
+# The states that hold a global step, one per stateful transform.
+_STEP_STATES = (
+    ConditionalAccumulatorState,
+    SparseConditionalAccumulatorState,
+    DropStaleGradientsState,
+    AGNState,
+)
 
 
 def _step_state(state: Any, field: str) -> Any:
-    found = _find(state)
+    found = _state_tree.find(state, _STEP_STATES)
     if found is None:
+        names = ", ".join(t.__name__ for t in _STEP_STATES)
         raise ValueError(
-            "state holds no optax_accum step state (a NamedTuple with a global_step field); "
-            f"got {type(state).__name__}"
+            f"state holds no optax_accum step state (one of {names}); got {type(state).__name__}"
         )
     if field not in found._fields:
         raise ValueError(f"{type(found).__name__} has no {field!r} field")
@@ -81,6 +50,20 @@ def global_step(state: Any) -> jax.Array:
 
     Like TF's accumulators, it counts the updates the transform has released (for
     `agn`, the communication rounds).
+
+    TF counterpart: the global step that `tf.ConditionalAccumulator.set_global_step`
+    sets and `take_grad` advances, or the `global_step` variable a TF optimizer
+    increments.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+
+    Returns:
+      An int32 scalar (an array of them for a batched state).
+
+    Raises:
+      ValueError: when `state` holds no optax_accum step state.
 
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
@@ -97,6 +80,20 @@ def num_accumulated(state: Any) -> jax.Array:
 
     Under an `axis_name`, the count is summed over the replicas.
 
+    TF counterpart: `tf.ConditionalAccumulator.num_accumulated()`.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+
+    Returns:
+      An int32 scalar: the gradients accepted since the last release (for `agn`, the
+        local steps of this round).
+
+    Raises:
+      ValueError: when `state` holds no optax_accum step state, or when the outermost one keeps no
+        count (`drop_stale_gradients`' has none).
+
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=3)
@@ -110,6 +107,20 @@ def num_accumulated(state: Any) -> jax.Array:
 
 def has_updated(state: Any) -> jax.Array:
     """Whether the last `update` of the outermost transform in `state` released an update.
+
+    TF counterpart: none; in TF, `take_grad` returning (or the optimizer's
+    `apply_gradients` op running) says that an update was made.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+
+    Returns:
+      A bool scalar: True when the last `update` released (for `drop_stale_gradients`,
+        accepted; for `agn`, synchronised).
+
+    Raises:
+      ValueError: when `state` holds no optax_accum step state.
 
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
@@ -133,6 +144,21 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     axes) takes a scalar, set in every element, or an integer array of the global
     step's shape, one step per element; it warns if any element is lowered.
 
+    TF counterpart: `tf.ConditionalAccumulator.set_global_step(new_global_step)`.
+
+    Args:
+      state: the state of an optax_accum transform, or any state holding one (a
+        chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
+      new_global_step: an integer scalar (traced is fine), or for a batched state an
+        integer array of the global step's shape. Wider integers saturate to int32.
+
+    Returns:
+      `state` with the global step replaced; nothing else changes.
+
+    Raises:
+      TypeError / ValueError: for a `new_global_step` that is not an integer scalar (or
+        array of the right shape), or a `state` that holds no optax_accum step state.
+
     Example:
       >>> import jax, optax, optax_accum, jax.numpy as jnp
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=1)
@@ -150,14 +176,14 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     old = found.global_step
     batch_shape = tuple(np.shape(old))
     if not batch_shape or np.ndim(new_global_step) == 0:
-        new = _common.local_step_or(new_global_step, old, argname="new_global_step")
+        new = _counters.local_step_or(new_global_step, old, argname="new_global_step")
     else:
         new = _batched_steps(new_global_step, batch_shape)
     concrete = not isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer)
     if concrete:
         _warn_if_lowered(np.asarray(new), np.asarray(old))
     new = jnp.broadcast_to(jnp.asarray(new, dtype=np.int32), batch_shape)
-    return _replace(state, found, found._replace(global_step=new))
+    return _state_tree.replace(state, found, found._replace(global_step=new))
 
 
 def _batched_steps(steps: Any, batch_shape: tuple[int, ...]) -> Any:

@@ -13,25 +13,7 @@ from typing import Any
 
 import optax
 
-from optax_accum import _branch, _common
-from optax_accum.indexed_slices import apply_updates
-
-
-def _apply_gradients(
-    tx: optax.GradientTransformation,
-    grads: optax.Updates,
-    opt_state: optax.OptState,
-    params: optax.Params,
-    **extra_args: Any,
-) -> tuple[optax.Params, optax.OptState, optax.Updates]:
-    """`apply_gradients`, also returning the updates (for `nnx.Optimizer.update`)."""
-    tx = optax.with_extra_args_support(_common.require_transformation("tx", tx))
-    with _branch.fused_apply(params) as sink:
-        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-    new_params = sink.params_for(updates)
-    if new_params is None:  # not an optax_accum release, or changed after it
-        new_params = apply_updates(params, updates)
-    return new_params, opt_state, updates
+from optax_accum import _fused
 
 
 def apply_gradients(
@@ -84,7 +66,7 @@ def apply_gradients(
       >>> params  # minus the mean of the two gradients
       Array([-2., -3.], dtype=float32)
     """
-    new_params, opt_state, _ = _apply_gradients(tx, grads, opt_state, params, **extra_args)
+    new_params, opt_state, _ = _fused.fused_step(tx, grads, opt_state, params, **extra_args)
     return new_params, opt_state
 
 

@@ -242,11 +242,13 @@ CASES: list[Case] = [
 CASE_IDS = [c.name for c in CASES]
 
 
-def _stack(trees: list) -> Any:
+def stack(trees: list) -> Any:
+    """The trees stacked leafwise along a new leading (replica) axis."""
     return jax.tree.map(lambda *x: jnp.stack(x), *trees)
 
 
-def _first(tree: Any) -> Any:
+def first(tree: Any) -> Any:
+    """Replica 0 of a stacked tree."""
     return jax.tree.map(lambda x: x[0], tree)
 
 
@@ -254,10 +256,10 @@ def _nan_like(tree: Any) -> Any:
     return jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), tree)
 
 
-def _step_inputs(case: Case, i: int, poison: frozenset[int]) -> Any:
+def step_inputs(case: Case, i: int, poison: frozenset[int]) -> Any:
     """The gradient offered at step i (all replicas stacked under an axis)."""
     if case.needs_axis:
-        grads = _stack([case.replica_grads(i, r) for r in range(REPLICAS)])
+        grads = stack([case.replica_grads(i, r) for r in range(REPLICAS)])
     else:
         grads = case.grads(i)
     return _nan_like(grads) if i in poison else grads
@@ -285,7 +287,7 @@ def trajectory(
         return case.apply_updates(params, updates), state, updates
 
     if case.needs_axis:
-        params = _stack([params] * REPLICAS)
+        params = stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
         fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name=axis))
     else:
@@ -293,12 +295,10 @@ def trajectory(
         fn = jax.jit(step)
     history = []
     for i in range(steps):
-        params, state, updates = fn(
-            params, state, _step_inputs(case, i, poison), case.extra_args(i)
-        )
-        history.append(_first(updates) if case.needs_axis else updates)
+        params, state, updates = fn(params, state, step_inputs(case, i, poison), case.extra_args(i))
+        history.append(first(updates) if case.needs_axis else updates)
     if case.needs_axis:
-        return _first(params), _first(state), history
+        return first(params), first(state), history
     return params, state, history
 
 
@@ -311,8 +311,8 @@ def run(case: Case, steps: int, *, tx: Any = None) -> tuple[Any, Any]:
 def scan_run(case: Case, steps: int, *, tx: Any = None, axis: str = "replicas") -> tuple:
     """The same run as `run`, but all steps inside one `jax.lax.scan`."""
     tx = tx if tx is not None else case.make(axis if case.needs_axis else None)
-    grads = _stack([_step_inputs(case, i, frozenset()) for i in range(steps)])
-    extras = _stack([case.extra_args(i) for i in range(steps)])
+    grads = stack([step_inputs(case, i, frozenset()) for i in range(steps)])
+    extras = stack([case.extra_args(i) for i in range(steps)])
 
     def many(params, grads, extras):
         def body(carry, xs):
@@ -326,9 +326,9 @@ def scan_run(case: Case, steps: int, *, tx: Any = None, axis: str = "replicas") 
 
     params = case.params()
     if case.needs_axis:
-        params = _stack([params] * REPLICAS)
+        params = stack([params] * REPLICAS)
         grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1), grads)
         fn = jax.vmap(many, in_axes=(0, 0, None), axis_name=axis)
         params, state = jax.jit(fn)(params, grads, extras)
-        return _first(params), _first(state)
+        return first(params), first(state)
     return jax.jit(many)(params, grads, extras)

@@ -3,8 +3,6 @@ mapper against NumPy, equivalence with single-device training, and bad input."""
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,11 +15,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _compat
+from optax_accum import _collectives, _compat
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 
-# The module, not the function of the same name that optax_accum re-exports.
-cs_module = sys.modules["optax_accum.cross_shard"]
 MAPPERS = ["pmap", "shard_map", "vmap"]
 
 
@@ -114,13 +110,13 @@ def test_random_groups_match_numpy(mapper, groups, seed, mean):
 @given(groups=assignments(), seed=st.integers(0, 2**16))
 @pytest.mark.parametrize(
     "method",
-    [cs_module._one_hot_group_sum, cs_module._permute_group_sum],
+    [_collectives.one_hot_group_sum, _collectives.permute_group_sum],
     ids=["onehot", "ppermute"],
 )
 def test_both_exact_group_methods_match_numpy(method, groups, seed):
     """Both shard_map methods, whichever the cost rule picks, are exact group sums."""
     grads = np.random.default_rng(seed).normal(size=(8, 5)).astype(np.float32)
-    validated = cs_module.validate_group_assignment(groups)
+    validated = _collectives.validate_group_assignment(groups)
     fn = mapped(lambda g: method(g, "i", validated), "shard_map", 8)
     out = np.asarray(fn(jnp.asarray(grads)))
     np.testing.assert_allclose(out, numpy_group_reduce(grads, groups, False), rtol=1e-5, atol=1e-5)
@@ -378,7 +374,7 @@ def test_groups_on_a_1d_shard_map_axis_use_permutes_with_the_stated_cost():
     two_by_four = counts([[0, 3, 5, 6], [1, 2, 4, 7]])["every_step"]
     assert two_by_four == {"collective-permute": 3, "collective-permute bytes": 3 * 20}
     assert counts([[i] for i in range(8)])["every_step"] == {}  # groups of one: identity
-    one_hot = cs_module._one_hot_group_sum
+    one_hot = _collectives.one_hot_group_sum
     fn = mapped(lambda g: one_hot(g, "i", ((0, 3, 5, 6), (1, 2, 4, 7))), "shard_map", 8)
     buffer = count_collectives(fn.lower(jnp.zeros((8, 5))).as_text(dialect="hlo"))
     assert buffer["every_step"] == {"all-reduce": 1, "all-reduce bytes": 2 * 20}

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import CASE_IDS, CASES, REPLICAS, Case, _stack, _step_inputs
+from _cases import CASE_IDS, CASES, REPLICAS, Case, stack, step_inputs
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -56,7 +56,7 @@ def lowered_text(case: Case, platforms: tuple[str, ...], *, fused: bool) -> str:
     if case.needs_axis:
         # Replicas under jax.shard_map, each holding row r of the stacked inputs
         # (jax.vmap would turn every cond on a replicated predicate into a select).
-        params = _stack([params] * REPLICAS)
+        params = stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
         step = jax.shard_map(
             _per_replica(step),
@@ -67,7 +67,7 @@ def lowered_text(case: Case, platforms: tuple[str, ...], *, fused: bool) -> str:
         )
     else:
         state = tx.init(params)
-    args = (params, state, _step_inputs(case, 0, frozenset()), case.extra_args(0))
+    args = (params, state, step_inputs(case, 0, frozenset()), case.extra_args(0))
     return jax.jit(step).trace(*args).lower(lowering_platforms=platforms).as_text()
 
 

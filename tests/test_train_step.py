@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import CASE_IDS, CASES, REPLICAS, Case, _first, _stack, _step_inputs
+from _cases import CASE_IDS, CASES, REPLICAS, Case, first, stack, step_inputs
 
 import optax_accum
-from optax_accum import _branch
+from optax_accum import _fused as fused_module
 
 STEPS = 7
 
@@ -73,7 +73,7 @@ def _run(case: Case, tx, make_step, steps: int = STEPS):
     params = case.params()
     step = make_step(tx)
     if case.needs_axis:
-        params = _stack([params] * REPLICAS)
+        params = stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
         fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name="replicas"))
     else:
@@ -81,8 +81,8 @@ def _run(case: Case, tx, make_step, steps: int = STEPS):
         fn = jax.jit(step)
     out = []
     for i in range(steps):
-        params, state = fn(params, state, _step_inputs(case, i, frozenset()), case.extra_args(i))
-        out.append(_first((params, state)) if case.needs_axis else (params, state))
+        params, state = fn(params, state, step_inputs(case, i, frozenset()), case.extra_args(i))
+        out.append(first((params, state)) if case.needs_axis else (params, state))
     return out
 
 
@@ -177,14 +177,14 @@ def test_the_release_branch_applies_the_updates_unless_something_follows(case, w
     found = []
 
     def probe(params, grads):
-        with _branch.fused_apply(params) as sink:
+        with fused_module.fused_apply(params) as sink:
             updates, _ = tx.update(grads, tx.init(params), params, **case.extra_args(0))
         found.append(sink.params_for(updates) is not None)
         return updates
 
     if case.needs_axis:
-        params = _stack([case.params()] * REPLICAS)
-        jax.eval_shape(jax.vmap(probe, axis_name="replicas"), params, _step_inputs(case, 0, ()))
+        params = stack([case.params()] * REPLICAS)
+        jax.eval_shape(jax.vmap(probe, axis_name="replicas"), params, step_inputs(case, 0, ()))
     else:
-        jax.eval_shape(probe, case.params(), _step_inputs(case, 0, ()))
+        jax.eval_shape(probe, case.params(), step_inputs(case, 0, ()))
     assert found == [wrapper != "followed_by_scale"]

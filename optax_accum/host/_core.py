@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_accum import _common
+from optax_accum import _checks, _sums
 from optax_accum.host import _args
 from optax_accum.host._device import Device
 from optax_accum.host._takes import Take, TakeQueue
@@ -55,7 +55,7 @@ class Core:
         self.mean = mean
         self.skip_nonfinite = skip_nonfinite
         # float16/bfloat16 accumulate in float32, as the functional accumulators do.
-        self.acc_dtype = _common.accumulator_dtype_for(dtype, None)
+        self.acc_dtype = _sums.accumulator_dtype_for(dtype, None)
         self.device = Device(self.acc_dtype, self.staging_keep)
         self.lock = threading.Lock()
         self.takes = TakeQueue(self.lock, self.serve)
@@ -214,8 +214,8 @@ class HostAccumulator:
             raise TypeError(f"name must be a str, got {name!r}")
         dtype = _args.check_dtype(dtype)
         shape = _args.check_shape(shape)
-        mean = _common.canonical_reduction(reduction_type, argname="reduction_type") == "mean"
-        skip_nonfinite = _common.require_bool("skip_nonfinite", skip_nonfinite)
+        mean = _checks.canonical_reduction(reduction_type, argname="reduction_type") == "mean"
+        skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
         self._core = core_for(
             shared_name, lambda: self._core_type(dtype, shape, mean, skip_nonfinite)
         )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _common
+from optax_accum import _counters
 from optax_accum.host import _args
 from optax_accum.host._core import Batch, Core, HostAccumulator
 
@@ -189,7 +189,7 @@ class DenseCore(Core):
             result = finish(
                 aggregate,
                 tuple(g for g, _ in pending),
-                _common.int32(batch.count),
+                _counters.int32(batch.count),
                 mean=self.mean,
                 acc_dtype=self.acc_dtype,
                 dtype=self.dtype,

@@ -1,0 +1,68 @@
+"""Malformed calls to replica_group_mesh and state_partition_specs get a clear error.
+
+Each entry of BAD is one malformed call; tests/_bad_inputs.py says what a clear error
+is and holds the fixtures every table shares.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from _bad_inputs import Bad, accumulator_tx, check, ids, mesh8
+
+import optax_accum
+
+BAD: list[Bad] = [
+    Bad(
+        "replica_group_mesh/empty group_assignment",
+        lambda: optax_accum.replica_group_mesh([]),
+        ValueError,
+        r"group_assignment must be a non-empty list of list, got \[\]",
+    ),
+    Bad(
+        "replica_group_mesh/too few replicas",
+        lambda: optax_accum.replica_group_mesh([[0, 1], [2, 3]]),
+        ValueError,
+        r"group_assignment must be a permutation of range\(8\) \(the number of devices\), "
+        r"got the 4 replica ids",
+    ),
+    Bad(
+        "replica_group_mesh/axis_names",
+        lambda: optax_accum.replica_group_mesh([[0, 1, 2, 3], [4, 5, 6, 7]], axis_names=("a", "a")),
+        ValueError,
+        r"axis_names must be two distinct names, got \('a', 'a'\)",
+    ),
+    Bad(
+        "state_partition_specs/grad_axes",
+        lambda: optax_accum.state_partition_specs(
+            accumulator_tx(axis_name="data"), jnp.zeros(3), mesh8(), grad_axes=("model",)
+        ),
+        ValueError,
+        r"grad_axes must name axes of the mesh \('data',\), got \['model'\]",
+    ),
+    Bad(
+        "state_partition_specs/mesh=None",
+        lambda: optax_accum.state_partition_specs(accumulator_tx(), jnp.zeros(3), None),
+        TypeError,
+        r"mesh must be a jax\.sharding\.Mesh, got None \(NoneType\)",
+    ),
+    Bad(
+        "state_partition_specs/tx='sgd'",
+        lambda: optax_accum.state_partition_specs("sgd", jnp.zeros(3), mesh8()),
+        TypeError,
+        r"tx must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
+    Bad(
+        "state_partition_specs/scalar state leaf that differs between replicas",
+        lambda: optax_accum.state_partition_specs(
+            accumulator_tx(skip_nonfinite=True), jnp.zeros(3), mesh8()
+        ),
+        ValueError,
+        r"state.*is a scalar that differs between replicas",
+    ),
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=ids(BAD))
+def test_malformed_call_raises_a_clear_error(bad: Bad):
+    check(bad)
