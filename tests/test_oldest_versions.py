@@ -48,6 +48,12 @@ DESELECT = [
     # allowed; float32 passes here, and bfloat16 from jax 0.9 on, in the newest run).
     "tests/test_regression_guard.py::test_train_step_temporaries_are_the_release_mean_and_updates[canonical-bf16]",
     "tests/test_regression_guard.py::test_train_step_temporaries_are_the_release_mean_and_updates[apply_gradients-bf16]",
+    # Never run here before test_bad_inputs.py was split (it imported Flax). On jax 0.8
+    # the CPU loop form rejects this state under shard_map with a carry whose varying
+    # axes differ, before the clear error is reached: the cause that also fails
+    # test_sharding.py's test_specs_on_a_2d_mesh_with_grad_axes there (reported, open).
+    "tests/test_bad_inputs_sharding.py::test_malformed_call_raises_a_clear_error"
+    "[state_partition_specs/scalar state leaf that differs between replicas]",
 ]
 
 
