@@ -54,7 +54,10 @@ class _Traced:
     @classmethod
     def of(cls, fn: Callable, carry: Any) -> _Traced:
         closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(carry)
-        return cls(closed, jax.tree.structure(out_shapes), out_shapes)
+        out_tree = jax.tree.structure(out_shapes)
+        # The abstract values, not the shapes: they carry the varying mesh axes on
+        # every jax (jax 0.8's ShapeDtypeStruct does not).
+        return cls(closed, out_tree, out_tree.unflatten(closed.out_avals))
 
     def reading_params_from_carry(self, params: Any) -> _Traced:
         leaves = jax.tree.leaves(params)
