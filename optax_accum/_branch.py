@@ -60,13 +60,14 @@ class _Traced:
         return cls(closed, out_tree, out_tree.unflatten(closed.out_avals))
 
     def reading_params_from_carry(self, params: Any) -> _Traced:
-        leaves = jax.tree.leaves(params)
-        shared = {}
-        for i, const in enumerate(self.closed.consts):
-            for j, leaf in enumerate(leaves):
-                if const is leaf:
-                    shared.setdefault(i, j)
-        return dataclasses.replace(self, shared=tuple(sorted(shared.items())))
+        # By identity (both objects stay alive here); the first leaf wins a repeat.
+        leaf_of = {id(leaf): j for j, leaf in reversed(list(enumerate(jax.tree.leaves(params))))}
+        shared = tuple(
+            (i, leaf_of[id(const)])
+            for i, const in enumerate(self.closed.consts)
+            if id(const) in leaf_of
+        )
+        return dataclasses.replace(self, shared=shared)
 
     @property
     def consts(self) -> list:
