@@ -358,9 +358,11 @@ class SparseCore(Core):
         self.capacity_hint = max(self.capacity_hint, _bucket(n))
         return jnp.zeros((self.capacity_hint, *row_shape), self.acc_dtype)
 
-    def _recycle(self, rows: jax.Array) -> None:
+    def _recycle(self, rows: jax.Array | None) -> None:
         """Keeps a taken batch's buffer, once its gather is dispatched, for a later batch
         (no lock: a race at worst drops a buffer)."""
+        if rows is None:  # a batch of gradients with no rows has no buffer
+            return
         spare = self.spare
         if spare is None or spare.shape[0] <= rows.shape[0]:
             self.spare = rows
