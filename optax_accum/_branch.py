@@ -164,6 +164,53 @@ def _loop_form(
     return lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), carry, consts))[1]
 
 
+def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: list) -> tuple:
+    """XLA:CPU, for `release_if`: the zero-or-once loop, carrying the released updates
+    in the buffers of the spent tree.
+
+    A held step must still return full-size zero updates, and an array that lives only
+    within one call is a temporary that XLA:CPU allocates afresh on every call (a page
+    fault per 4 KiB page). Here the body writes the updates over the spent tree, whose
+    buffers are the state's; after the loop, `where(pred, x, 0)` and `where(pred, 0, x)`
+    split them into the updates and the reset tree. Both are elementwise, so XLA fuses
+    the first into the caller's `apply_updates` and no temporary is left.
+    """
+    kept, spent = operand
+    spent_tree = jax.tree.structure(spent)
+    updates_tree = jax.tree.structure(traced.out_shapes[0])
+
+    def body(loop: tuple) -> tuple:
+        again, (kept, x), consts = loop
+        updates, (new_kept, _) = traced(_tied_to(again, consts), (kept, x))
+        updates = spent_tree.unflatten(jax.tree.leaves(updates))
+        return jnp.logical_not(again), (_as_carry(new_kept, kept), _as_carry(updates, x)), consts
+
+    loop = (jnp.asarray(pred), (kept, spent), consts)
+    kept, x = lax.while_loop(lambda loop: loop[0], body, loop)[1]
+    zeros = [jnp.zeros((), t.dtype) for t in jax.tree.leaves(x)]
+    leaves = jax.tree.leaves(x)
+    updates = updates_tree.unflatten([jnp.where(pred, t, z) for t, z in zip(leaves, zeros)])
+    spent = spent_tree.unflatten([jnp.where(pred, z, t) for t, z in zip(leaves, zeros)])
+    return updates, (kept, spent)
+
+
+def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
+    """Whether `_spending_loop_form` may carry `updates` in `spent`'s buffers: leaf for
+    leaf the same shapes, dtypes and varying mesh axes, and a `pred` that varies over
+    no axis they do not."""
+    u, s = jax.tree.leaves(updates), jax.tree.leaves(spent)
+    if len(u) != len(s) or not s:
+        return False
+    axes = _compat.varying_axes(pred)
+    return all(
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and _compat.varying_axes(a) == _compat.varying_axes(b)
+        and axes <= _compat.varying_axes(b)
+        for a, b in zip(u, s, strict=True)
+    )
+
+
 def _run_if(pred: jax.Array, traced: _Traced, operand: Any, held: Callable) -> tuple:
     """`traced(operand)` if `pred`, else `(held(...), operand)`, in the form the
     backend runs best (chosen when the program is lowered for it)."""
@@ -231,6 +278,19 @@ def apply_if(pred: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
     return _run_if(pred, traced, carry, held=lambda salted: ())[1]
 
 
+def _held_zeros(traced: _Traced, salt: jax.Array, held: Callable | None = None) -> Callable:
+    """The `held` argument of the forms: the zero updates of a held step, mapped by
+    `held` (e.g. to padding row ids); `salted` builds them with `unmerged_zeros`."""
+    shapes, finish = traced.out_shapes[0], held or (lambda zeros: zeros)
+
+    def held_updates(salted: bool) -> Any:
+        if salted:
+            return finish(unmerged_zeros(shapes, salt))
+        return finish(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+    return held_updates
+
+
 def update_if(
     pred: jax.Array,
     fn: Callable[[Any], tuple[Any, Any]],
@@ -258,14 +318,7 @@ def update_if(
     else:
         operand = state
         traced = _Traced.of(fn, operand)
-    shapes, finish = traced.out_shapes[0], held or (lambda zeros: zeros)
-
-    def held_updates(salted: bool) -> Any:
-        if salted:
-            return finish(unmerged_zeros(shapes, salt))
-        return finish(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-
-    updates, operand = _run_if(pred, traced, operand, held_updates)
+    updates, operand = _run_if(pred, traced, operand, _held_zeros(traced, salt, held))
     if sink is None:
         return updates, operand
     state, new_params = operand
@@ -273,4 +326,45 @@ def update_if(
     return updates, state
 
 
-__all__ = ["apply_if", "unmerged_zeros", "update_if", "zeroed"]
+def release_if(
+    pred: jax.Array,
+    fn: Callable[[Any, Any], tuple[Any, Any]],
+    kept: Any,
+    spent: Any,
+    *,
+    salt: jax.Array,
+    params: Any = None,
+) -> tuple[Any, Any, Any]:
+    """`update_if` for a release that consumes a tree and resets it to zeros (a sum of
+    gradients): `fn(kept, spent)` returns `(updates, new_kept)`; the result is
+    `(updates, new_kept, zeros)` when `pred` holds, else `(zeros, kept, spent)`.
+
+    On the CPU, when the updates match `spent` leaf for leaf, the branch carries them
+    in `spent`'s buffers (see `_spending_loop_form`), so a held step needs no
+    temporary for its zero updates.
+    """
+
+    def whole(operand: tuple) -> tuple:
+        kept, spent = operand
+        updates, kept = fn(kept, spent)
+        return updates, (kept, zeroed(spent, salt))
+
+    if _fused.sink_for(params) is not None:  # the fused step carries the params instead
+        updates, (kept, spent) = update_if(pred, whole, (kept, spent), salt=salt, params=params)
+        return updates, kept, spent
+    traced = _Traced.of(whole, (kept, spent))
+    held = _held_zeros(traced, salt)
+    if not _can_spend(pred, traced.out_shapes[0], spent):
+        updates, (kept, spent) = _run_if(pred, traced, (kept, spent), held)
+        return updates, kept, spent
+    updates, (kept, spent) = lax.platform_dependent(
+        pred,
+        (kept, spent),
+        traced.consts,
+        cpu=lambda p, op, k: _spending_loop_form(p, traced, op, k),
+        default=lambda p, op, k: _cond_form(p, traced, op, k, held),
+    )
+    return updates, kept, spent
+
+
+__all__ = ["apply_if", "release_if", "unmerged_zeros", "update_if"]

@@ -180,17 +180,15 @@ def conditional_accumulator(
         # A held step is the addition above, in place, and passes the inner state and
         # the sum on untouched; the release feeds the sum to `inner` and zeroes it
         # (see _branch).
-        def release(carry):
-            inner_state, accumulator = carry
+        def release(inner_state, accumulator):
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
             if mean:
                 total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
             aggregate = optax.tree.cast_like(total, updates)
-            new_updates, inner_state = inner.update(aggregate, inner_state, params, **extra_args)
-            return new_updates, (inner_state, _branch.zeroed(accumulator, count))
+            return inner.update(aggregate, inner_state, params, **extra_args)
 
-        new_updates, (inner_state, accumulator) = _branch.update_if(
-            emit, release, (state.inner_state, accumulator), salt=count, params=params
+        new_updates, inner_state, accumulator = _branch.release_if(
+            emit, release, state.inner_state, accumulator, salt=count, params=params
         )
         new_state = ConditionalAccumulatorState(
             global_step=_counters.increment_if(emit, state.global_step),
