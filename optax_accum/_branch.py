@@ -13,6 +13,10 @@ The branch body is traced once (`jax.make_jaxpr`) and both forms evaluate that
 jaxpr, so nesting optax_accum transforms traces the innermost optimizer once per
 level rather than once per form.
 
+`release_if` is `update_if` for a release that consumes a sum and resets it: on the
+CPU the released updates travel in the sum's own buffers, so the zero updates of a
+held step need no temporary (docs/design.md).
+
 `update_if` is also where `apply_gradients` fuses the step: while a
 `_fused.fused_apply` is active, an `update_if` called with the caller's very `params`
 applies its updates to them inside the branch, so a step that releases nothing leaves

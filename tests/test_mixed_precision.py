@@ -125,3 +125,32 @@ def test_conditional_accumulator_matches_multisteps_in_mixed_precision(
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         assert a.dtype == b.dtype == param_dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+
+
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), PAIRS, ids=PAIR_IDS)
+def test_conditional_accumulator_sgd_matches_a_float64_reference(param_dtype, grad_dtype):
+    """SGD on the mean of each window of 3 gradients, in float64 NumPy: an anchor that
+    holds on every optax version (optax 0.2.5's MultiSteps, the anchor above, raises
+    on bfloat16 gradients for float32 params under SGD)."""
+    tx = optax_accum.conditional_accumulator(INNERS["sgd"](), 3)
+    params = _params(param_dtype)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    p, s = params, tx.init(params)
+    expected = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    window = []
+    for i in range(9):
+        grads = _grads(i, grad_dtype)
+        p, s = step(p, s, grads)
+        window.append({k: np.asarray(v, np.float64) for k, v in grads.items()})
+        if len(window) == 3:
+            for k in expected:
+                expected[k] -= 0.1 * np.mean([w[k] for w in window], axis=0)
+            window = []
+    for k in expected:  # rounding in the low-precision dtype, as above
+        assert p[k].dtype == param_dtype
+        np.testing.assert_allclose(np.asarray(p[k], np.float64), expected[k], rtol=2e-2, atol=2e-2)

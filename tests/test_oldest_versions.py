@@ -50,8 +50,9 @@ DESELECT = [
     "tests/test_regression_guard.py::test_train_step_temporaries_are_the_release_mean_and_updates[apply_gradients-bf16]",
     # The anchor, not our code: optax 0.2.5's MultiSteps itself raises on bfloat16 or
     # float16 gradients for float32 params under SGD (its cond branches return
-    # different dtypes); optax_accum's side of these cases runs in the other
-    # mixed-precision tests here.
+    # different dtypes). The same cases run here against float64 NumPy anchors:
+    # test_conditional_accumulator_sgd_matches_a_float64_reference and
+    # test_mixed_precision_sparse_sgd_matches_a_float64_reference.
     "tests/test_mixed_precision.py::test_conditional_accumulator_matches_multisteps_in_mixed_precision"
     "[f32-params-bf16-grads-sgd]",
     "tests/test_sparse.py::test_mixed_precision_matches_multisteps[float32-bfloat16-sgd]",

@@ -893,6 +893,49 @@ def test_mixed_precision_matches_multisteps(param_dtype, grad_dtype, inner):
 
 
 @pytest.mark.parametrize(("param_dtype", "grad_dtype"), MIXED, ids=lambda d: jnp.dtype(d).name)
+def test_mixed_precision_sparse_sgd_matches_a_float64_reference(param_dtype, grad_dtype):
+    """`sparse_sgd` on the per-row mean of each window of 2 gradients, in float64 NumPy:
+    an anchor that holds on every optax version (optax 0.2.5's MultiSteps, the anchor
+    above, raises on low-precision gradients for float32 params under SGD). Every
+    gradient touches the same rows, so the per-row mean is the mean of the window."""
+    params = {
+        "e": jnp.asarray(np.linspace(-1, 1, 2 * ROWS).reshape(ROWS, 2), param_dtype),
+        "k": jnp.ones((3, 2), param_dtype),
+        "b": jnp.zeros(2, param_dtype),
+    }
+    tx = sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(0.5), 2, capacity=4, sparse={"e": True, "k": False, "b": False}
+    )
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax_accum.apply_updates(params, updates), state
+
+    def dense64(g):
+        if isinstance(g, IndexedSlices):
+            out = np.zeros(g.dense_shape)
+            ids, rows = np.asarray(g.indices), np.asarray(g.values, np.float64)
+            inside = ids < g.dense_shape[0]  # the others are padding
+            np.add.at(out, ids[inside], rows[inside])
+            return out
+        return np.asarray(g, np.float64)
+
+    p, s = params, tx.init(params)
+    expected = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    for i in range(0, 6, 2):
+        window = [_mixed_grads(i, grad_dtype), _mixed_grads(i + 1, grad_dtype)]
+        for grads in window:
+            p, s = step(p, s, grads)
+        for k in expected:
+            expected[k] -= 0.5 * np.mean([dense64(g[k]) for g in window], axis=0)
+    for k in expected:  # rounding in the low-precision dtype
+        assert p[k].dtype == param_dtype
+        np.testing.assert_allclose(np.asarray(p[k], np.float64), expected[k], rtol=2e-2, atol=2e-2)
+    assert not np.allclose(expected["e"], np.asarray(params["e"], np.float64))
+
+
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), MIXED, ids=lambda d: jnp.dtype(d).name)
 def test_mixed_precision_on_the_axis_path(param_dtype, grad_dtype):
     """The same under `axis_name` (two replicas offering the same gradients, so one
     release per step equals one device releasing every second step)."""
