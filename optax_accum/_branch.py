@@ -191,11 +191,10 @@ def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: 
 
     loop = (jnp.asarray(pred), (kept, spent), consts)
     kept, x = lax.while_loop(lambda loop: loop[0], body, loop)[1]
-    zeros = [jnp.zeros((), t.dtype) for t in jax.tree.leaves(x)]
     leaves = jax.tree.leaves(x)
-    updates = updates_tree.unflatten([jnp.where(pred, t, z) for t, z in zip(leaves, zeros)])
-    spent = spent_tree.unflatten([jnp.where(pred, z, t) for t, z in zip(leaves, zeros)])
-    return updates, (kept, spent)
+    updates = [jnp.where(pred, t, jnp.zeros((), t.dtype)) for t in leaves]
+    spent = [jnp.where(pred, jnp.zeros((), t.dtype), t) for t in leaves]
+    return updates_tree.unflatten(updates), (kept, spent_tree.unflatten(spent))
 
 
 def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
