@@ -176,8 +176,9 @@ def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: 
     within one call is a temporary that XLA:CPU allocates afresh on every call (a page
     fault per 4 KiB page). Here the body writes the updates over the spent tree, whose
     buffers are the state's; after the loop, `where(pred, x, 0)` and `where(pred, 0, x)`
-    split them into the updates and the reset tree. Both are elementwise, so XLA fuses
-    the first into the caller's `apply_updates` and no temporary is left.
+    split them into the updates (cast back to their dtypes) and the reset tree. Both
+    are elementwise, so XLA fuses the first into the caller's `apply_updates` and no
+    temporary is left.
     """
     kept, spent = operand
     spent_tree = jax.tree.structure(spent)
@@ -191,23 +192,37 @@ def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: 
 
     loop = (jnp.asarray(pred), (kept, spent), consts)
     kept, x = lax.while_loop(lambda loop: loop[0], body, loop)[1]
-    leaves = jax.tree.leaves(x)
-    updates = [jnp.where(pred, t, jnp.zeros((), t.dtype)) for t in leaves]
+    leaves, dtypes = jax.tree.leaves(x), [u.dtype for u in jax.tree.leaves(traced.out_shapes[0])]
+    updates = [
+        jnp.where(pred, t, jnp.zeros((), t.dtype)).astype(d)
+        for t, d in zip(leaves, dtypes, strict=True)
+    ]
     spent = [jnp.where(pred, jnp.zeros((), t.dtype), t) for t in leaves]
     return updates_tree.unflatten(updates), (kept, spent_tree.unflatten(spent))
 
 
+def _holds_exactly(wide: Any, narrow: Any) -> bool:
+    """Whether every value of the dtype `narrow` is a value of the dtype `wide`."""
+    if wide == narrow:
+        return True
+    if not (jnp.issubdtype(wide, jnp.floating) and jnp.issubdtype(narrow, jnp.floating)):
+        return False
+    w, n = jnp.finfo(wide), jnp.finfo(narrow)
+    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
 def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
     """Whether `_spending_loop_form` may carry `updates` in `spent`'s buffers: leaf for
-    leaf the same shapes, dtypes and varying mesh axes, and a `pred` that varies over
-    no axis they do not."""
+    leaf the same shapes and varying mesh axes, a dtype that holds the updates exactly
+    (bfloat16 updates in a float32 sum), and a `pred` that varies over no axis they do
+    not."""
     u, s = jax.tree.leaves(updates), jax.tree.leaves(spent)
     if len(u) != len(s) or not s:
         return False
     axes = _compat.varying_axes(pred)
     return all(
         a.shape == b.shape
-        and a.dtype == b.dtype
+        and _holds_exactly(b.dtype, a.dtype)
         and _compat.varying_axes(a) == _compat.varying_axes(b)
         and axes <= _compat.varying_axes(b)
         for a, b in zip(u, s, strict=True)
