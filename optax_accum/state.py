@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _counters, _state_tree
+from optax_accum import _checks, _counters, _state_tree
 from optax_accum.accumulator import ConditionalAccumulatorState
 from optax_accum.agn import AGNState
 from optax_accum.sparse import SparseConditionalAccumulatorState
@@ -191,14 +191,7 @@ def _batched_steps(steps: Any, batch_shape: tuple[int, ...]) -> Any:
     integers saturate (a step from the far future stays in the future)."""
     if not hasattr(steps, "dtype"):  # a nested list
         steps = np.asarray(steps)
-    try:
-        dtype = jnp.result_type(steps)
-    except TypeError:
-        raise TypeError(
-            f"new_global_step must be an integer scalar or array, got {type(steps).__name__}"
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"new_global_step must be an integer scalar or array, got dtype {dtype}")
+    dtype = _checks.integer_dtype("new_global_step", steps, expected="an integer scalar or array")
     if tuple(steps.shape) != batch_shape:
         raise ValueError(
             f"new_global_step must be an integer scalar or have the global step's shape "
