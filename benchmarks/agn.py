@@ -1,12 +1,14 @@
 """Does AGN match synchronous SGD with fewer all-reduces? A convergence study on digits.
 
-Eight workers (8 simulated CPU devices, `jax.shard_map`) train a small Flax MLP (digits.py),
+Eight workers (8 simulated CPU devices, `jax.shard_map`) train the demo's small Flax MLP,
 each on its own shard of scikit-learn's digits, and every method sees exactly the same
 examples in the same order: `--steps` local steps of `--batch` examples per worker.
 Synchronous data-parallel SGD (`cross_shard_optimizer(optax.sgd(lr))`) all-reduces
 gradients every step; `agn` all-reduces once per period. Reported per method (mean
 over `--seeds`): the final test accuracy and loss of the centre, the number of
-all-reduces, and the bytes they carry (one parameter-sized float32 tree each).
+all-reduces, and the bytes they carry (one parameter-sized float32 tree each). The
+training run is the demo's (`optax_accum.demo.agn.study`); this script gives it more
+methods, steps and seeds.
 
 Target: AGN with period 4 within 1 percentage point of synchronous SGD with 4x fewer
 all-reduces. A second experiment explains the TF default's shortfall: it gives TF's
@@ -30,18 +32,15 @@ import dataclasses
 import json
 import pathlib
 import platform
-import time
-from collections.abc import Callable
-from typing import Any
 
-import digits
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum.demo import Sizes
+from optax_accum.demo.agn import LEARNING_RATE, WORKERS, Method, Result, study
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SYNC = "sync SGD (cross_shard_optimizer)"
@@ -49,35 +48,7 @@ TF_P4 = "agn P=4 (TF: outer = inner)"
 SCALED_P4 = "agn P=4, outer sgd(4*lr)"
 
 
-# --------------------------------------------------------------------------- the study
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    """Local steps per worker, examples per worker step, and the seed."""
-
-    steps: int
-    batch: int
-    seed: int
-
-
-WORKERS = 8
-LEARNING_RATE = 0.1
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One way to train the eight workers.
-
-    `make(axis_name)` builds the transform; `model(params, state)` is the model the
-    method evaluates (the centre for AGN); `synced(state)` tells whether the last step
-    all-reduced.
-    """
-
-    name: str
-    make: Callable[[str], optax.GradientTransformationExtraArgs]
-    model: Callable[[Any, Any], Any] = lambda params, state: state.centre
-    synced: Callable[[Any], jax.Array] = optax_accum.has_updated
+# --------------------------------------------------------------------------- the methods
 
 
 def methods(lr: float = LEARNING_RATE) -> list[Method]:
@@ -127,118 +98,6 @@ def methods(lr: float = LEARNING_RATE) -> list[Method]:
         ),
     ]
     return [sync, *tf_default, *scaled, *delta]
-
-
-@dataclasses.dataclass
-class Result:
-    """One method's outcome: final accuracy, communication, and the accuracy curve.
-
-    `curve[i]` is the centre's test accuracy after communication round `rounds[i]`,
-    which ended at local step `steps[i]`.
-    """
-
-    method: str
-    accuracy: float
-    loss: float
-    all_reduces: int
-    bytes: int
-    rounds: list[int]
-    steps: list[int]
-    curve: list[float]
-    seconds: float
-
-
-def _worker_fn(method: Method, model: Any, x_test: Any, y_test: Any) -> Callable:
-    """One worker's whole training run, as a function of its shard and batch indices."""
-    tx = method.make("w")
-    grad_fn = jax.grad(lambda p, xb, yb: digits.loss_fn(model, p, xb, yb))
-
-    def test_accuracy(params):
-        logits = model.apply({"params": params}, x_test)
-        return (jnp.argmax(logits, -1) == y_test).mean(dtype=jnp.float32)
-
-    def test_loss(params):
-        return digits.loss_fn(model, params, x_test, y_test)
-
-    def worker(params, xs, ys, idx):
-        def body(carry, batch):
-            params, state = carry
-            updates, state = tx.update(grad_fn(params, xs[batch], ys[batch]), state, params)
-            params = optax.apply_updates(params, updates)
-            synced = method.synced(state)
-            # Test accuracy on sync steps only (-1 elsewhere); cheap at digits' size.
-            acc = jnp.where(synced, test_accuracy(method.model(params, state)), -1.0)
-            return (params, state), (synced, acc)
-
-        (params, state), (synced, curve) = jax.lax.scan(body, (params, tx.init(params)), idx)
-        final = method.model(params, state)
-        return synced, curve, test_accuracy(final), test_loss(final)
-
-    return worker
-
-
-def _spmd(worker: Callable) -> Callable:
-    """Runs `worker` once per worker and returns worker 0's outputs.
-
-    On 8 devices with `jax.shard_map` if there are 8, else under `jax.vmap`. The
-    inputs after the first (the shared initial params) carry a leading worker axis.
-    Every worker returns the same numbers (the centre, or synchronous SGD's params),
-    so under shard_map `pmax` types the outputs replica-invariant without changing them.
-    """
-    if jax.device_count() < WORKERS:
-        mapped = jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name="w")
-        return jax.jit(lambda *args: jax.tree.map(lambda o: o[0], mapped(*args)))
-    mesh = jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
-
-    def same_everywhere(o: jax.Array) -> jax.Array:
-        if o.dtype == jnp.bool_:
-            return jax.lax.pmax(o.astype(jnp.int32), "w").astype(jnp.bool_)
-        return jax.lax.pmax(o, "w")
-
-    def per_device(params, *data):
-        mine = jax.lax.pcast(params, "w", to="varying")  # each worker's own copy
-        return jax.tree.map(same_everywhere, worker(mine, *(d[0] for d in data)))
-
-    return jax.jit(
-        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("w"), P("w"), P("w")), out_specs=P())
-    )
-
-
-def study(
-    sizes: Sizes, selected: list[Method] | None = None, progress: bool = True
-) -> list[Result]:
-    """Trains every method for `sizes.steps` local steps of `sizes.batch` per worker."""
-    x, y, xt, yt = digits.digits(sizes.seed)
-    n = len(x) // WORKERS
-    xs = jnp.asarray(x[: n * WORKERS].reshape(WORKERS, n, -1))
-    ys = jnp.asarray(y[: n * WORKERS].reshape(WORKERS, n))
-    idx = np.random.default_rng(sizes.seed).integers(0, n, size=(WORKERS, sizes.steps, sizes.batch))
-    idx = jnp.asarray(idx, jnp.int32)
-    model, params = digits.init_mlp(sizes.seed)
-    payload = sum(int(np.asarray(p).nbytes) for p in jax.tree.leaves(params))
-    selected = methods() if selected is None else selected
-    results = []
-    iterator = digits.progress(selected, "agn study") if progress else selected
-    for method in iterator:
-        start = time.perf_counter()
-        run = _spmd(_worker_fn(method, model, jnp.asarray(xt), jnp.asarray(yt)))
-        synced, curve, accuracy, loss = jax.device_get(run(params, xs, ys, idx))
-        synced, curve = np.asarray(synced), np.asarray(curve)
-        rounds = np.cumsum(synced)
-        results.append(
-            Result(
-                method=method.name,
-                accuracy=float(accuracy),
-                loss=float(loss),
-                all_reduces=int(rounds[-1]),
-                bytes=int(rounds[-1]) * payload,
-                rounds=rounds[synced].tolist(),
-                steps=(np.flatnonzero(synced) + 1).tolist(),
-                curve=curve[synced].tolist(),
-                seconds=time.perf_counter() - start,
-            )
-        )
-    return results
 
 
 # --------------------------------------------------------------------------- report

@@ -49,11 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hlo import count_collectives, format_bytes
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum.demo.hlo import count_collectives, format_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEAVES = 200

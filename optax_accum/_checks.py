@@ -90,6 +90,21 @@ def floating_dtype(name: str, dtype: Any) -> np.dtype | None:
 # --------------------------------------------------------------------------- at init and trace
 
 
+def integer_dtype(name: str, value: Any, *, expected: str = "an integer scalar") -> np.dtype:
+    """Returns the dtype of `value` (a number or an array) if it is an integer one.
+
+    A TypeError otherwise, saying `name must be <expected>` and what came: the type
+    when `value` has no dtype, else the dtype. Shape is left to the caller.
+    """
+    try:
+        dtype = jnp.result_type(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}") from None
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be {expected}, got dtype {dtype}")
+    return dtype
+
+
 def require_floating_params(params: Any) -> None:
     """Raises a TypeError at `init` naming the first params leaf that is not floating.
 

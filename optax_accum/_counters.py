@@ -67,14 +67,7 @@ def _integer_scalar_dtype(value: Any, argname: str) -> np.dtype:
     """The dtype of `value` if it is an integer scalar; TypeError or ValueError otherwise."""
     if isinstance(value, bool | float | complex | str):
         raise TypeError(f"{argname} must be an integer scalar, got {value!r}")
-    try:
-        dtype = jnp.result_type(value)
-    except TypeError:
-        raise TypeError(
-            f"{argname} must be an integer scalar, got {type(value).__name__}"
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{argname} must be an integer scalar, got dtype {dtype}")
+    dtype = _checks.integer_dtype(argname, value)
     if jnp.ndim(value) != 0:
         raise ValueError(
             f"{argname} must be an integer scalar, got shape {tuple(jnp.shape(value))}"

@@ -6,7 +6,8 @@ Every stateful optax_accum transform keeps its counters in its own NamedTuple st
 by its type, inside whatever the user holds (the transform's own state, an
 `optax.chain` tuple, an `optax.inject_hyperparams` or `optax.MultiSteps` state, a dict
 of them, a batch of states made under `jax.vmap`), so `global_step(opt_state)` works
-without knowing how the optimizer was composed.
+without knowing how the optimizer was composed. `num_accumulated` finds the outermost
+state that keeps a count, so it looks through `drop_stale_gradients`, which keeps none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _counters, _state_tree
+from optax_accum import _checks, _counters, _state_tree
 from optax_accum.accumulator import ConditionalAccumulatorState
 from optax_accum.agn import AGNState
 from optax_accum.sparse import SparseConditionalAccumulatorState
@@ -34,15 +35,26 @@ _STEP_STATES = (
 
 
 def _step_state(state: Any, field: str) -> Any:
-    found = _state_tree.find(state, _STEP_STATES)
-    if found is None:
+    """The outermost step state in `state` that has `field`.
+
+    A wrapper whose state lacks the field is looked through: `num_accumulated` of
+    `drop_stale_gradients(conditional_accumulator(...))` is the accumulator's count.
+    """
+    holders = tuple(t for t in _STEP_STATES if field in t._fields)
+    found = _state_tree.find(state, holders)
+    if found is not None:
+        return found
+    outermost = _state_tree.find(state, _STEP_STATES)
+    if outermost is None:
         names = ", ".join(t.__name__ for t in _STEP_STATES)
         raise ValueError(
             f"state holds no optax_accum step state (one of {names}); got {type(state).__name__}"
         )
-    if field not in found._fields:
-        raise ValueError(f"{type(found).__name__} has no {field!r} field")
-    return found
+    names = ", ".join(t.__name__ for t in holders)
+    raise ValueError(
+        f"{type(outermost).__name__} has no {field!r} field, and state holds no step state "
+        f"that has one ({names})"
+    )
 
 
 def global_step(state: Any) -> jax.Array:
@@ -78,6 +90,9 @@ def global_step(state: Any) -> jax.Array:
 def num_accumulated(state: Any) -> jax.Array:
     """How many gradients the outermost accumulator in `state` holds (TF's num_accumulated).
 
+    The accumulator is the outermost `conditional_accumulator`,
+    `sparse_conditional_accumulator` or `agn` state, found inside wrappers that keep no
+    count (`drop_stale_gradients(conditional_accumulator(...))` gives the accumulator's).
     Under an `axis_name`, the count is summed over the replicas.
 
     TF counterpart: `tf.ConditionalAccumulator.num_accumulated()`.
@@ -91,8 +106,8 @@ def num_accumulated(state: Any) -> jax.Array:
         local steps of this round).
 
     Raises:
-      ValueError: when `state` holds no optax_accum step state, or when the outermost one keeps no
-        count (`drop_stale_gradients`' has none).
+      ValueError: when `state` holds no optax_accum state that keeps a count (only
+        `drop_stale_gradients`', say, which has none).
 
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
@@ -191,14 +206,7 @@ def _batched_steps(steps: Any, batch_shape: tuple[int, ...]) -> Any:
     integers saturate (a step from the far future stays in the future)."""
     if not hasattr(steps, "dtype"):  # a nested list
         steps = np.asarray(steps)
-    try:
-        dtype = jnp.result_type(steps)
-    except TypeError:
-        raise TypeError(
-            f"new_global_step must be an integer scalar or array, got {type(steps).__name__}"
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"new_global_step must be an integer scalar or array, got dtype {dtype}")
+    dtype = _checks.integer_dtype("new_global_step", steps, expected="an integer scalar or array")
     if tuple(steps.shape) != batch_shape:
         raise ValueError(
             f"new_global_step must be an integer scalar or have the global step's shape "

@@ -351,7 +351,7 @@ def test_replica_invariant_gradient_under_shard_map_raises():
 )
 def test_emitted_collectives_per_option(options, all_reduces, itemsize):
     """What benchmarks/collectives.py reports, checked on the HLO JAX emits."""
-    from hlo import count_collectives  # benchmarks/hlo.py
+    from optax_accum.demo.hlo import count_collectives
 
     grads = {k: jnp.zeros((8, 4, n)) for k, n in (("a", 1), ("b", 2), ("c", 3))}
     tx = cross_shard("i", **options)
@@ -364,7 +364,7 @@ def test_emitted_collectives_per_option(options, all_reduces, itemsize):
 def test_groups_on_a_1d_shard_map_axis_use_permutes_with_the_stated_cost():
     """Groups of k on n replicas: k - 1 permutes while k(k-1) < 2(n-1), else one
     all-reduce of an n/k times larger buffer."""
-    from hlo import count_collectives  # benchmarks/hlo.py
+    from optax_accum.demo.hlo import count_collectives
 
     def counts(groups):
         tx = cross_shard("i", group_assignment=groups)

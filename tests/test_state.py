@@ -1,4 +1,7 @@
-"""The state accessors (optax_accum/state.py) on batched states: a state made under
+"""The state accessors (optax_accum/state.py) on nested and batched states.
+
+Nested: each accessor finds its state by type inside wrappers (`optax.chain`,
+`optax.inject_hyperparams`, `drop_stale_gradients`). Batched: a state made under
 `jax.vmap` has counters with a leading batch axis, and every accessor works on it."""
 
 import warnings
@@ -10,6 +13,75 @@ import optax
 import pytest
 
 import optax_accum
+
+# --------------------------------------------------------------------------- nested states
+
+
+def _accumulator(inner=None):
+    inner = optax.sgd(1.0) if inner is None else inner
+    return optax_accum.conditional_accumulator(inner, num_required=3)
+
+
+def _drop_stale(inner):
+    return optax_accum.drop_stale_gradients(inner, staleness=1)
+
+
+def _injected(factory, **hyperparams):
+    return optax.inject_hyperparams(factory, static_args=("inner",))(**hyperparams)
+
+
+def _injected_accumulator():
+    """An accumulator whose inner learning rate is a hyperparameter in the state."""
+    factory = lambda learning_rate: _accumulator(inner=optax.sgd(learning_rate))  # noqa: E731
+    return optax.inject_hyperparams(factory)(learning_rate=1.0)
+
+
+# An accumulator (num_required=3) inside wrappers; `drop_stale_gradients` keeps no count.
+NESTED = {
+    "drop_stale_gradients(accumulator)": lambda: _drop_stale(_accumulator()),
+    "chain(drop_stale_gradients(sgd), accumulator)": lambda: optax.chain(
+        _drop_stale(optax.sgd(1.0)), _accumulator()
+    ),
+    "inject_hyperparams(drop_stale_gradients(accumulator))": lambda: _injected(
+        optax_accum.drop_stale_gradients, inner=_accumulator(), staleness=1
+    ),
+    "drop_stale_gradients(inject_hyperparams(accumulator))": lambda: _drop_stale(
+        _injected_accumulator()
+    ),
+    "chain(clip, accumulator)": lambda: optax.chain(optax.clip(1.0), _accumulator()),
+    "inject_hyperparams(accumulator)": _injected_accumulator,
+}
+
+
+@pytest.mark.parametrize("name", list(NESTED))
+def test_num_accumulated_finds_the_accumulator_inside_wrappers(name):
+    tx = NESTED[name]()
+    state = tx.init(jnp.zeros(2))
+    update = jax.jit(tx.update)
+    counts = [int(optax_accum.num_accumulated(state))]
+    for _ in range(4):
+        _, state = update(jnp.ones(2), state)
+        counts.append(int(optax_accum.num_accumulated(state)))
+    assert counts == [0, 1, 2, 0, 1]  # released on the third gradient
+
+
+@pytest.mark.parametrize("name", list(NESTED))
+def test_the_step_accessors_read_the_outermost_step_state_inside_wrappers(name):
+    """global_step, has_updated and set_global_step read (and write) the outermost
+    optax_accum state: `drop_stale_gradients`' where it wraps the accumulator."""
+    tx = NESTED[name]()
+    state = tx.init(jnp.zeros(2))
+    _, state = jax.jit(tx.update)(jnp.ones(2), state)
+    outer_is_drop = name.startswith(("drop", "chain(drop", "inject_hyperparams(drop"))
+    assert int(optax_accum.global_step(state)) == (1 if outer_is_drop else 0)
+    assert bool(optax_accum.has_updated(state)) == outer_is_drop
+    state = optax_accum.set_global_step(state, 7)
+    assert int(optax_accum.global_step(state)) == 7
+    _, state = jax.jit(tx.update)(jnp.ones(2), state, local_step=7)
+    assert int(optax_accum.num_accumulated(state)) == 2  # 7 is not stale: accepted
+
+
+# --------------------------------------------------------------------------- batched states
 
 
 def _batched(n=3, num_required=2):

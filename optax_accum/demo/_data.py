@@ -1,8 +1,4 @@
-"""Digits data, a small Flax MLP, and the training helpers the demo sections share.
-
-The benchmarks have their own copy (benchmarks/digits.py): the demo is part of the
-installed package, the benchmarks are scripts in the repository.
-"""
+"""Digits data, a small Flax MLP, and the training helpers the demo sections share."""
 
 from __future__ import annotations
 

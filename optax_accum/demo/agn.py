@@ -6,7 +6,7 @@ step; `agn` all-reduces once per `communication_period` steps: as TF does it, wi
 outer learning rate scaled by the period, and with DiLoCo's delta commit. The table
 reports the centre's final test accuracy and the number of all-reduces. The workers
 run on 8 devices with `jax.shard_map` when there are 8, else under `jax.vmap`.
-(`benchmarks/agn.py` runs a larger study of the same question.)
+`benchmarks/agn.py` runs `study` with more methods, steps and seeds.
 """
 
 from __future__ import annotations
@@ -153,7 +153,20 @@ def _spmd(worker: Callable) -> Callable:
 def study(
     sizes: Sizes, selected: list[Method] | None = None, progress: bool = True
 ) -> list[Result]:
-    """Trains every method for `sizes.steps` local steps of `sizes.batch` per worker."""
+    """Trains every method for `sizes.steps` local steps of `sizes.batch` per worker.
+
+    Each of the `WORKERS` workers holds its own shard of digits' training set; every
+    method sees the same batches (drawn with `sizes.seed`, which also sets the split
+    and the initial params), so only the method differs between runs.
+
+    Args:
+      sizes: local steps per worker, examples per worker step, and the seed.
+      selected: the methods to train, in order; default: `methods()`.
+      progress: show a progress bar over the methods.
+
+    Returns:
+      One `Result` per method, in the order given.
+    """
     x, y, xt, yt = _data.digits(sizes.seed)
     n = len(x) // WORKERS
     xs = jnp.asarray(x[: n * WORKERS].reshape(WORKERS, n, -1))

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum.demo import Row, Sizes, _data
-from optax_accum.demo._hlo import count_collectives
+from optax_accum.demo.hlo import count_collectives
 
 REPLICAS = 8
 FRESH_REQUIRED = 6  # of 8: two backup workers

@@ -1,4 +1,10 @@
-"""The collectives in a compiled step's HLO text, for the demo's communication column."""
+"""Counting the collectives in a compiled XLA program, and the bytes they carry.
+
+The demo's all-reduce column (data_parallel.py) comes from here, and so do the
+figures of `benchmarks/collectives.py` (checked by tests/test_cross_shard.py). Reads
+the HLO text that `jax.jit(f).lower(...).as_text(dialect="hlo")` or
+`.compile().as_text()` returns; nothing here depends on JAX internals.
+"""
 
 from __future__ import annotations
 
@@ -82,3 +88,8 @@ def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
 
     always, gated = walk("__entry__")
     return {"every_step": always, "when_taken": gated}
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as "12 B" or "19.2 kB"."""
+    return f"{n} B" if n < 1000 else f"{n / 1e3:.1f} kB"
