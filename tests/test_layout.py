@@ -9,8 +9,9 @@ package itself):
   those lists together are `optax_accum.__all__`;
 - `lax.platform_dependent` is used in `_branch.py` alone.
 
-The demo (`python -m optax_accum.demo`) is a program, not an API: its modules are
-held to the first two rules only.
+The demo (`python -m optax_accum.demo`) is a program whose public modules (`agn`,
+`hlo`) the benchmarks also run; it is not part of `optax_accum.__all__`, so its modules
+are held to the first two rules only.
 """
 
 from __future__ import annotations
