@@ -22,7 +22,8 @@ interleaved rounds after a warm-up round, so the load of a shared machine hits b
 sides alike.
 
 Run from the repository root: `python benchmarks/dense.py` (`--rounds 3` for a quick
-look, `--size 268M` to force the big size). Prints the device kind and the jax
+look, `--size 268M` to force the big size, `--dtype bfloat16` for bfloat16 params and
+gradients, whose sum, here and in the floor, is float32). Prints the device kind and the jax
 version, a table with the targets, and writes every figure to
 `benchmarks/results/dense.json`.
 """
@@ -72,10 +73,13 @@ for _p in ("apply_gradients", "TrainState"):
     TARGETS["gpu", "268M", _p, "cycle_speedup"] = (2.0, "min")
 
 
-def random_tree(shape: tuple[int, int], seed: int, scale: float = 1.0) -> dict:
+def random_tree(shape: tuple[int, int], seed: int, scale: float = 1.0, dtype: Any = None) -> dict:
     key = jax.random.key(seed)
     keys = jax.random.split(key, LEAVES)
-    return {f"layer{i}": scale * jax.random.normal(keys[i], shape) for i in range(LEAVES)}
+    return {
+        f"layer{i}": (scale * jax.random.normal(keys[i], shape)).astype(dtype or jnp.float32)
+        for i in range(LEAVES)
+    }
 
 
 class Contender:
@@ -152,8 +156,16 @@ def contender(pattern: str, ours: bool, every: int, params: dict, grads: dict) -
 
 
 def floor(params: dict, grads: dict) -> Contender:
-    acc = jax.tree.map(jnp.zeros_like, params)
-    return Contender(lambda a, g: jax.tree.map(jnp.add, a, g), (acc,), grads, lambda a: (a,))
+    # The sum is float32 for low-precision params, as optax_accum keeps it.
+    acc = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params
+    )
+    return Contender(
+        lambda a, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), a, g),
+        (acc,),
+        grads,
+        lambda a: (a,),
+    )
 
 
 # --------------------------------------------------------------------------- timing
@@ -177,8 +189,8 @@ def paired(samples: dict[str, list[float]], num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(samples[num], samples[den], strict=True))
 
 
-def bench_pattern(pattern: str, shape: tuple[int, int], rounds: int) -> dict:
-    params, grads = random_tree(shape, 0), random_tree(shape, 1, 1e-3)
+def bench_pattern(pattern: str, shape: tuple[int, int], rounds: int, dtype: Any = None) -> dict:
+    params, grads = random_tree(shape, 0, dtype=dtype), random_tree(shape, 1, 1e-3, dtype)
     contenders = {
         "ours_held": contender(pattern, True, NEVER, params, grads),
         "base_held": contender(pattern, False, NEVER, params, grads),
@@ -215,8 +227,8 @@ def verdict(key: tuple, value: float) -> str:
     return f"{'<=' if kind == 'max' else '>='} {target:g} {'ok' if ok else 'MISSED'}"
 
 
-def report(size: str, results: dict[str, dict]) -> None:
-    print(f"\n{size} parameters ({LEAVES} leaves), Adam, {EVERY} gradients per release")
+def report(size: str, results: dict[str, dict], dtype: str = "float32") -> None:
+    print(f"\n{size} {dtype} parameters ({LEAVES} leaves), Adam, {EVERY} gradients per release")
     header = (
         f"{'pattern':16} {'held/floor':>10} {'target':>14} {'MultiSteps':>10} "
         f"{'cycle x':>8} {'target':>14} {'ours ms':>8} {'theirs ms':>9}"
@@ -224,8 +236,9 @@ def report(size: str, results: dict[str, dict]) -> None:
     print(header)
     print("-" * len(header))
     for pattern, r in results.items():
-        held = verdict((backend(), size, pattern, "held_vs_floor"), r["held_vs_floor"])
-        cycle = verdict((backend(), size, pattern, "cycle_speedup"), r["cycle_speedup"])
+        where = (backend() if dtype == "float32" else "", size, pattern)  # float32 targets
+        held = verdict((*where, "held_vs_floor"), r["held_vs_floor"])
+        cycle = verdict((*where, "cycle_speedup"), r["cycle_speedup"])
         print(
             f"{pattern:16} {r['held_vs_floor']:10.2f} {held:>14} {r['base_held_vs_floor']:10.2f} "
             f"{r['cycle_speedup']:8.2f} {cycle:>14} {r['ours_cycle_ms']:8.3f} "
@@ -244,6 +257,12 @@ def main() -> None:
         "--size", choices=sorted(SIZES), action="append", help="default: 8M, and 268M off the CPU"
     )
     parser.add_argument("--pattern", choices=PATTERNS, action="append", help="default: all")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="params and gradients (default float32; the targets are for float32)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "dense.json")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -261,14 +280,15 @@ def main() -> None:
         "optax": optax.__version__,
         "python": platform.python_version(),
         "rounds": args.rounds,
+        "dtype": args.dtype,
         "results": {},
     }
     for size in sizes:
         results = {}
         for pattern in args.pattern or PATTERNS:
-            results[pattern] = bench_pattern(pattern, SIZES[size], args.rounds)
+            results[pattern] = bench_pattern(pattern, SIZES[size], args.rounds, args.dtype)
         out["results"][size] = results
-        report(size, results)
+        report(size, results, args.dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {args.out}")

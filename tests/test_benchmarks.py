@@ -9,18 +9,31 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_dense_benchmark_reports_every_pattern(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_benchmark_reports_every_pattern(tmp_path, dtype):
     out = tmp_path / "dense.json"
-    cmd = [sys.executable, "benchmarks/dense.py", "--rounds", "1", "--size", "64K"]
+    cmd = [
+        sys.executable,
+        "benchmarks/dense.py",
+        "--rounds",
+        "1",
+        "--size",
+        "64K",
+        "--dtype",
+        dtype,
+    ]
     run = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "device: " in run.stdout and "jax " in run.stdout
     report = json.loads(out.read_text())
+    assert report["dtype"] == dtype
     results = report["results"]["64K"]
     assert set(results) == {"canonical", "apply_gradients", "TrainState", "NNX"}
     for figures in results.values():
