@@ -32,6 +32,7 @@ import dataclasses
 import json
 import pathlib
 import platform
+import time
 
 import jax
 import jax.numpy as jnp
@@ -185,13 +186,6 @@ def _step_cost(size: int = 2_000_000, rounds: int = 11, reps: int = 5) -> list[d
     One device, no axis (so no collective): what agn adds to the compute of a step.
     Medians of interleaved rounds, as ratios to plain Adam measured in the same run.
     """
-    import time
-
-    import jax.numpy as jnp
-    import optax
-
-    import optax_accum
-
     params = {f"w{i}": jnp.zeros(size // 4) for i in range(4)}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
     contenders = {
