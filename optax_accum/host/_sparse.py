@@ -33,6 +33,7 @@ from optax_accum.indexed_slices import IndexedSlices
 _MIN_BUCKET = 8
 _MAX_UNSETTLED = 4  # scatters in flight at most
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_DENSE_IDS = 32  # row ids below 32x their count are sorted through a table, not a sort
 
 
 # --------------------------------------------------------------------------- kernels
@@ -512,9 +513,22 @@ class SparseCore(Core):
 
 def _sorted_slots(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The sorted unique row ids of a batch's slots, the slots in row-id order, and,
-    when a row id has several slots, the index of its unique id for each of them."""
+    when a row id has several slots, the index of its unique id for each of them.
+
+    Run under the lock at every hand-off, so the common cases skip the sort: slots
+    already in row order (one gradient), and unique row ids dense enough to invert
+    through a table as long as the largest id."""
     n = slot_ids.shape[0]
-    keys = np.sort((slot_ids.astype(np.int64) << 32) | np.arange(n, dtype=np.int64))
+    if n < 2 or (slot_ids[1:] > slot_ids[:-1]).all():
+        return slot_ids, np.arange(n, dtype=np.int32), None
+    top = int(slot_ids.max()) + 1
+    if top <= _DENSE_IDS * n:
+        where = np.full(top, -1, np.int32)
+        where[slot_ids] = np.arange(n, dtype=np.int32)
+        ids = np.flatnonzero(where >= 0)
+        if ids.shape[0] == n:  # unique: a row id with several slots is left to the sort
+            return ids, where[ids], None
+    keys = np.sort((slot_ids.astype(np.int64) << 32) | np.arange(n, dtype=np.int64), kind="stable")
     ids, order = keys >> 32, (keys & 0xFFFFFFFF).astype(np.int32)
     first = np.ones(n, bool)
     first[1:] = ids[1:] != ids[:-1]
