@@ -169,6 +169,24 @@ class SlotHints:
         self.table[self._keys(ids)] = slots
 
 
+def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """A gradient's sorted unique row ids and, unless `ids` already were (as TF
+    expects), the index of each id among them."""
+    if ids.shape[0] < 2 or (ids[1:] > ids[:-1]).all():
+        return ids, None
+    return np.unique(ids, return_inverse=True)
+
+
+def _check_rows_like_batch(values: Any, batch: SparseBatch) -> None:
+    """The values' rows must have the shape of the batch's earlier gradients' rows."""
+    known = batch.values_shape
+    if known is not None and (len(values.shape) != len(known) or values.shape[1:] != known[1:]):
+        raise ValueError(
+            f"grad_values rows must have shape {list(known[1:])} (fixed by the first "
+            f"gradient since the last take), got {list(values.shape[1:])}"
+        )
+
+
 class SparseCore(Core):
     kind = "SparseConditionalAccumulator"
 
@@ -270,24 +288,13 @@ class SparseCore(Core):
         ids, values = self._validate(indices, values, grad_shape)
         nnz = ids.shape[0]
         finite = self.finite(values) if self.skip_nonfinite else True
-        if nnz < 2 or (ids[1:] > ids[:-1]).all():  # sorted and unique, as TF expects
-            unique, inverse = ids, None
-        else:
-            unique, inverse = np.unique(ids, return_inverse=True)
+        unique, inverse = _unique(ids)
         values, staged, callers = self._own_rows(values, nnz)
         accepted = False
         try:
             with self.lock, self.device.precision():
                 batch = self.batch
-                if batch.values_shape is not None and (
-                    len(values.shape) != len(batch.values_shape)
-                    or values.shape[1:] != batch.values_shape[1:]
-                ):
-                    raise ValueError(
-                        f"grad_values rows must have shape {list(batch.values_shape[1:])} "
-                        f"(fixed by the first gradient since the last take), got "
-                        f"{list(values.shape[1:])}"
-                    )
+                _check_rows_like_batch(values, batch)
                 accepted = self.admit(step, finite)
                 if accepted:
                     self._add_rows(batch, unique, inverse, values, nnz, staged, ours=not callers)

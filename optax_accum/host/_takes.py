@@ -128,34 +128,52 @@ class TakeQueue:
             self._arrivals.append(take)
             self._serve_arrivals()
             while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    if not take.admitted:  # served as if it had waited for the lock
-                        with self._lock:
-                            self._serve()
+                chunk = self._next_wait(take, deadline)
+                if chunk is None:
                     break
-                # Event.wait refuses waits beyond TIMEOUT_MAX: wait in chunks.
-                if remaining is None or remaining > threading.TIMEOUT_MAX:
-                    remaining = threading.TIMEOUT_MAX
-                if not take.admitted:
-                    remaining = min(remaining, _ADMIT_POLL)
-                if take.event.wait(remaining):
-                    if take.done:  # set before the event: no need to contend for the lock
+                if take.event.wait(chunk):
+                    if self._woken(take):
                         return True
-                    with self._lock:
-                        if take.done:
-                            return True
-                        take.event.clear()
-                        self._serve()
                 elif not take.admitted:
                     self._serve_arrivals()
         finally:
             if not take.done:
-                with self._lock:
-                    self._admit()
-                    if not take.done and take in self._takes:
-                        was_head = self.head() is take
-                        self._takes.remove(take)
-                        if was_head:
-                            self._serve()
+                self._withdraw(take)
         return take.done
+
+    def _next_wait(self, take: Take, deadline: float | None) -> float | None:
+        """Seconds to wait for the take's event, or None once the deadline has passed
+        (a take not admitted by then is served first, as if it had waited for the lock)."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            if not take.admitted:
+                with self._lock:
+                    self._serve()
+            return None
+        # Event.wait refuses waits beyond TIMEOUT_MAX: wait in chunks.
+        if remaining is None or remaining > threading.TIMEOUT_MAX:
+            remaining = threading.TIMEOUT_MAX
+        return remaining if take.admitted else min(remaining, _ADMIT_POLL)
+
+    def _woken(self, take: Take) -> bool:
+        """After the take's event is set: whether the take is done. If not, an
+        interrupted hand-off asked its thread to serve it: it does, under the lock."""
+        if take.done:  # set before the event: no need to contend for the lock
+            return True
+        with self._lock:
+            if take.done:
+                return True
+            take.event.clear()
+            self._serve()
+        return False
+
+    def _withdraw(self, take: Take) -> None:
+        """Takes an unserved `take` out of the queue, serving the one behind it if it
+        was the head."""
+        with self._lock:
+            self._admit()
+            if not take.done and take in self._takes:
+                was_head = self.head() is take
+                self._takes.remove(take)
+                if was_head:
+                    self._serve()
