@@ -21,11 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _bad_inputs import Bad, check, ids
+from _host import WAIT
 
 import optax_accum
 from optax_accum import IndexedSlices
-
-WAIT = 20.0  # seconds: the bound on any host call
 
 
 def _in_thread(call: Callable[[], Any]) -> Any:

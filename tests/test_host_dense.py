@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _host import f32
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,10 +18,6 @@ import optax_accum
 from optax_accum.host import _dense, _device
 
 T = 10.0  # seconds: the bound on every take that should complete at once
-
-
-def f32(x):
-    return np.asarray(x, np.float32)
 
 
 def take(acc, n=1):

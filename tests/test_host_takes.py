@@ -21,42 +21,13 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _host import WAIT, dense, f32, sparse, wait_until
 
 import optax_accum
 import optax_accum.host
 
-WAIT = 20.0  # seconds: the bound on any wait that should finish promptly
 HOST = pathlib.Path(optax_accum.host.__file__)
 HOST_CODE = str(HOST.parent if HOST.name == "__init__.py" else HOST)
-
-
-@pytest.fixture
-def pool():
-    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as executor:
-        yield executor
-
-
-def wait_until(predicate):
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.001)
-
-
-def f32(x):
-    return np.asarray(x, np.float32)
-
-
-def dense(reduction="MEAN", **kwargs):
-    return optax_accum.ConditionalAccumulator(
-        np.float32, shape=(), reduction_type=reduction, **kwargs
-    )
-
-
-def sparse(reduction="MEAN", **kwargs):
-    return optax_accum.SparseConditionalAccumulator(
-        np.float32, shape=(2, 2), reduction_type=reduction, **kwargs
-    )
 
 
 # --------------------------------------------------------------------------- FIFO

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 from _cases import adam
+from _host import WAIT
 
 import optax_accum
 from optax_accum import IndexedSlices
@@ -35,7 +36,6 @@ ADAM = adam(0.1)
 SPARSE_SGD = optax_accum.sparse_sgd(1.0)
 BAD = [np.inf, -np.inf, np.nan]
 BAD_IDS = ["inf", "-inf", "nan"]
-WAIT = 20.0
 
 
 def _poisoned(value: float, shape=(2, 3), at=(0, 1)) -> np.ndarray:

@@ -34,35 +34,51 @@ def check_shape(shape: Any, name: str = "shape") -> Shape | None:
     """
     if shape is None:
         return None
+    shape = _shape_values(shape)
+    out = [_dim(d) for d in _listed_dims(shape, name)]
+    if isinstance(shape, str) or any(d is _BAD_DIM for d in out):
+        raise ValueError(
+            f"{name} must hold non-negative ints (None or -1 for unknown dims), got {shape!r}"
+        )
+    return tuple(out)
+
+
+_BAD_DIM = object()  # what `_dim` returns for a dim that is not one
+
+
+def _shape_values(shape: Any) -> Any:
+    """An int as a 1-dim shape, an integer NumPy or JAX vector as a list of its values;
+    anything else as it came."""
     if isinstance(shape, int | np.integer):
-        shape = (shape,)
-    elif (
+        return (shape,)
+    if (
         isinstance(shape, np.ndarray | jax.Array)
         and shape.ndim == 1
         and jnp.issubdtype(shape.dtype, jnp.integer)
     ):
-        shape = np.asarray(jax.device_get(shape)).tolist()
+        return np.asarray(jax.device_get(shape)).tolist()
+    return shape
+
+
+def _listed_dims(shape: Any, name: str) -> list:
+    """The dims of a shape as a list (none for a str, which is then rejected)."""
     try:
-        dims = [] if isinstance(shape, str) else list(shape)
+        return [] if isinstance(shape, str) else list(shape)
     except TypeError:
         raise TypeError(
             f"{name} must be None or a sequence of ints (None or -1 for unknown dims), "
             f"got {shape!r}"
         ) from None
-    out: list[int | None] = []
-    for d in dims:
-        is_int = isinstance(d, int | np.integer) and not isinstance(d, bool)
-        if d is None or (is_int and d == -1):
-            out.append(None)
-        elif is_int and d >= 0:
-            out.append(int(d))
-        else:
-            break
-    if isinstance(shape, str) or len(out) != len(dims):
-        raise ValueError(
-            f"{name} must hold non-negative ints (None or -1 for unknown dims), got {shape!r}"
-        )
-    return tuple(out)
+
+
+def _dim(d: Any) -> int | object | None:
+    """A dim as an int, None when unknown (None or -1), or `_BAD_DIM`."""
+    is_int = isinstance(d, int | np.integer) and not isinstance(d, bool)
+    if d is None or (is_int and d == -1):
+        return None
+    if is_int and d >= 0:
+        return int(d)
+    return _BAD_DIM
 
 
 def check_step(name: str, value: Any) -> int:

@@ -79,10 +79,16 @@ class Device:
         but only by a kernel dispatched before the apply returns."""
         return isinstance(x, jax.Array) and x.sharding.device_set == {self.device}
 
-    def stage(self, x: np.ndarray) -> np.ndarray:
-        """A pooled, aligned copy of NumPy `x` (CPU only); `recycle` it once no kernel reads it."""
-        buffer = self.staging.acquire(x.shape, x.dtype)
-        np.copyto(buffer, x)
+    def stage(self, x: np.ndarray, rows: int | None = None) -> np.ndarray:
+        """A pooled, aligned copy of NumPy `x` (CPU only), zero-padded to `rows` rows if
+        given; `recycle` it once no kernel reads it."""
+        if rows is None or rows == x.shape[0]:
+            buffer = self.staging.acquire(x.shape, x.dtype)
+            np.copyto(buffer, x)
+            return buffer
+        buffer = self.staging.acquire((rows, *x.shape[1:]), x.dtype)
+        np.copyto(buffer[: x.shape[0]], x)
+        buffer[x.shape[0] :] = 0
         return buffer
 
     def recycle(self, buffers: Iterable[np.ndarray | None]) -> None:

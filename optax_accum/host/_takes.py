@@ -1,11 +1,16 @@
 """The blocking queue of takes: first come, first served, each with its deadline.
 
 A `take_grad` queues a `Take` and sleeps on its own event, outside the accumulator's
-lock, so waking it never contends with the appliers. Whoever holds the lock when the
-head take's count is reached (an applier, or a taker on arrival) hands it the batch
-of gradients; the taker then reduces that batch in its own thread. A take leaves the
-queue only by being handed its batch, failed (cancelled) or withdrawn by its own
-thread (deadline passed, or interrupted), so none is ever left waiting unserved.
+lock, so waking it never contends with the appliers. Nor does arriving: a take joins
+the queue through a list of arrivals, without the lock (under a stream of applies a
+learner would otherwise wait behind every actor for it, while gradients pile up):
+the next apply admits and serves it under the lock, or the taker itself, when it
+finds the lock free (at once, then every few milliseconds until admitted). Whoever
+holds the lock when the head take's count is reached (an applier, or a taker on
+arrival) hands it the batch of gradients; the taker then reduces that batch in its
+own thread. A take leaves the queue only by being handed its batch, failed
+(cancelled) or withdrawn by its own thread (deadline passed, or interrupted), so none
+is ever left waiting unserved.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from typing import Any
 class Take:
     """One waiting `take_grad`: it ends handed a batch or failed with an error."""
 
-    __slots__ = ("batch", "error", "event", "num_required")
+    __slots__ = ("admitted", "batch", "error", "event", "num_required")
 
     def __init__(self, num_required: int) -> None:
         self.num_required = num_required
         self.event = threading.Event()
+        self.admitted = False  # moved from the arrivals into the queue (lock held)
         self.batch: Any = None
         self.error: BaseException | None = None
 
@@ -41,22 +47,46 @@ class Take:
         self.event.set()
 
 
+_ADMIT_POLL = 0.002  # seconds between a not yet admitted take's own tries
+
+
 class TakeQueue:
     """The FIFO of waiting takes of one accumulator, guarded by that accumulator's `lock`.
 
     `serve` (called with the lock held) hands the head its batch when there are enough
-    gradients. Methods other than `wait` expect the lock held by the caller.
+    gradients; through `head`, it first admits the takes that arrived. Methods other
+    than `wait` expect the lock held by the caller; they see arrived takes as queued.
     """
 
     def __init__(self, lock: threading.Lock, serve: Callable[[], None]) -> None:
         self._lock = lock
         self._serve = serve
         self._takes: deque[Take] = deque()
+        self._arrivals: deque[Take] = deque()  # appended to without the lock
+
+    def _admit(self) -> None:
+        """Moves arrived takes, in order, to the back of the queue (lock held). Each
+        step may be repeated, so an interruption anywhere leaves nothing lost or
+        queued twice."""
+        while self._arrivals:
+            take = self._arrivals[0]
+            if take not in self._takes:
+                self._takes.append(take)
+            take.admitted = True
+            self._arrivals.popleft()
+
+    def _serve_arrivals(self) -> None:
+        """Admits and serves arrived takes if the lock is free; its holder does if not."""
+        if self._arrivals and not self._lock.locked():
+            with self._lock:
+                self._serve()
 
     def __len__(self) -> int:
+        self._admit()
         return len(self._takes)
 
     def head(self) -> Take | None:
+        self._admit()
         return self._takes[0] if self._takes else None
 
     def push(self, take: Take) -> None:
@@ -76,6 +106,7 @@ class TakeQueue:
             self._takes[0].event.set()
 
     def cancel_all(self, error: Callable[[Take], BaseException]) -> int:
+        self._admit()
         cancelled = 0
         while self._takes:
             take = self._takes.popleft()
@@ -89,34 +120,60 @@ class TakeQueue:
         On a timeout or an exception (KeyboardInterrupt included) the take is withdrawn
         unless it was served meanwhile, and the take behind it is served if it can be:
         a withdrawn take leaves no trace. A wake-up that finds the take not done means
-        an interrupted hand-off asked its thread to serve itself.
+        an interrupted hand-off asked its thread to serve itself. Until the take is
+        admitted it wakes every few milliseconds to admit itself if the lock is free.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            with self._lock:
-                self._takes.append(take)
-                self._serve()
+            self._arrivals.append(take)
+            self._serve_arrivals()
             while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                chunk = self._next_wait(take, deadline)
+                if chunk is None:
                     break
-                # Event.wait refuses waits beyond TIMEOUT_MAX: wait in chunks.
-                if remaining is None or remaining > threading.TIMEOUT_MAX:
-                    remaining = threading.TIMEOUT_MAX
-                if take.event.wait(remaining):
-                    if take.done:  # set before the event: no need to contend for the lock
+                if take.event.wait(chunk):
+                    if self._woken(take):
                         return True
-                    with self._lock:
-                        if take.done:
-                            return True
-                        take.event.clear()
-                        self._serve()
+                elif not take.admitted:
+                    self._serve_arrivals()
         finally:
             if not take.done:
-                with self._lock:
-                    if not take.done and take in self._takes:
-                        was_head = self.head() is take
-                        self._takes.remove(take)
-                        if was_head:
-                            self._serve()
+                self._withdraw(take)
         return take.done
+
+    def _next_wait(self, take: Take, deadline: float | None) -> float | None:
+        """Seconds to wait for the take's event, or None once the deadline has passed
+        (a take not admitted by then is served first, as if it had waited for the lock)."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            if not take.admitted:
+                with self._lock:
+                    self._serve()
+            return None
+        # Event.wait refuses waits beyond TIMEOUT_MAX: wait in chunks.
+        if remaining is None or remaining > threading.TIMEOUT_MAX:
+            remaining = threading.TIMEOUT_MAX
+        return remaining if take.admitted else min(remaining, _ADMIT_POLL)
+
+    def _woken(self, take: Take) -> bool:
+        """After the take's event is set: whether the take is done. If not, an
+        interrupted hand-off asked its thread to serve it: it does, under the lock."""
+        if take.done:  # set before the event: no need to contend for the lock
+            return True
+        with self._lock:
+            if take.done:
+                return True
+            take.event.clear()
+            self._serve()
+        return False
+
+    def _withdraw(self, take: Take) -> None:
+        """Takes an unserved `take` out of the queue, serving the one behind it if it
+        was the head."""
+        with self._lock:
+            self._admit()
+            if not take.done and take in self._takes:
+                was_head = self.head() is take
+                self._takes.remove(take)
+                if was_head:
+                    self._serve()
