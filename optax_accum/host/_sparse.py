@@ -20,7 +20,7 @@ them, or at the take.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,17 @@ def _bucket(n: int) -> int:
 
 
 # --------------------------------------------------------------------------- state
+
+
+class _Rows(NamedTuple):
+    """One accepted gradient's rows: its sorted unique ids, where each value goes among
+    them (None when the ids came sorted and unique), the values (padded to a bucketed
+    count), and how many of them are real."""
+
+    unique: np.ndarray
+    inverse: np.ndarray | None
+    values: Any
+    nnz: int
 
 
 class SparseBatch(Batch):
@@ -297,7 +308,8 @@ class SparseCore(Core):
                 _check_rows_like_batch(values, batch)
                 accepted = self.admit(step, finite)
                 if accepted:
-                    self._add_rows(batch, unique, inverse, values, nnz, staged, ours=not callers)
+                    grad = _Rows(unique, inverse, values, nnz)
+                    self._add_rows(batch, grad, staged, ours=not callers)
                     self.serve()
         finally:
             if not accepted:  # nothing reads it
@@ -323,17 +335,11 @@ class SparseCore(Core):
         return self.device.own(values), None, False
 
     def _add_rows(
-        self,
-        batch: SparseBatch,
-        unique: np.ndarray,
-        inverse: np.ndarray | None,
-        values: jax.Array,
-        nnz: int,
-        staged: np.ndarray | None,
-        ours: bool,
+        self, batch: SparseBatch, grad: _Rows, staged: np.ndarray | None, ours: bool
     ) -> None:
         """Adds one accepted gradient's rows to `batch` (lock held, in the accumulator's
         precision), changing it in one assignment once the kernel is dispatched."""
+        unique, inverse, values, nnz = grad
         values_shape = (0, *values.shape[1:])
         if nnz == 0:
             batch.values_shape, batch.count = values_shape, batch.count + 1
@@ -355,9 +361,7 @@ class SparseCore(Core):
                 self.hints.remember(unique, np.arange(nnz, dtype=np.int32), unique)
                 new = (values, unique, np.ones(nnz, np.int64), values_shape, 0, batch.in_flight)
             else:
-                out, slot_ids, counts, unsettled, waited = self._scatter(
-                    batch, unique, inverse, values, nnz
-                )
+                out, slot_ids, counts, unsettled, waited = self._scatter(batch, grad)
                 in_flight = batch.in_flight
                 if waited:  # the earlier scatters are done: their staging buffers are free
                     settled, in_flight = in_flight, ()
@@ -371,17 +375,11 @@ class SparseCore(Core):
             raise
         self.device.recycle(settled)
 
-    def _scatter(
-        self,
-        batch: SparseBatch,
-        unique: np.ndarray,
-        inverse: np.ndarray | None,
-        values: jax.Array,
-        nnz: int,
-    ) -> tuple:
+    def _scatter(self, batch: SparseBatch, grad: _Rows) -> tuple:
         """Dispatches the kernel adding a gradient's rows to the batch's buffer, growing
         it if they do not fit; returns the new buffer and bookkeeping, and whether it
         waited for the batch's earlier scatters first (lock held)."""
+        unique, inverse, values, nnz = grad
         rows, known = batch.rows, batch.slot_ids.shape[0]
         ids, counts, slot_of = self._place(batch, unique, inverse)
         grow = rows is None or ids.shape[0] > rows.shape[0]
