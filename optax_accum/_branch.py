@@ -182,7 +182,7 @@ def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: 
     """
     kept, spent = operand
     spent_tree = jax.tree.structure(spent)
-    updates_tree = jax.tree.structure(traced.out_shapes[0])
+    update_avals, updates_tree = jax.tree.flatten(traced.out_shapes[0])
 
     def body(loop: tuple) -> tuple:
         again, (kept, x), consts = loop
@@ -192,10 +192,10 @@ def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: 
 
     loop = (jnp.asarray(pred), (kept, spent), consts)
     kept, x = lax.while_loop(lambda loop: loop[0], body, loop)[1]
-    leaves, dtypes = jax.tree.leaves(x), [u.dtype for u in jax.tree.leaves(traced.out_shapes[0])]
+    leaves = jax.tree.leaves(x)
     updates = [
-        jnp.where(pred, t, jnp.zeros((), t.dtype)).astype(d)
-        for t, d in zip(leaves, dtypes, strict=True)
+        jnp.where(pred, t, jnp.zeros((), t.dtype)).astype(u.dtype)
+        for t, u in zip(leaves, update_avals, strict=True)
     ]
     spent = [jnp.where(pred, jnp.zeros((), t.dtype), t) for t in leaves]
     return updates_tree.unflatten(updates), (kept, spent_tree.unflatten(spent))
@@ -229,14 +229,23 @@ def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
     )
 
 
-def _run_if(pred: jax.Array, traced: _Traced, operand: Any, held: Callable) -> tuple:
+def _run_if(
+    pred: jax.Array, traced: _Traced, operand: Any, held: Callable, *, spending: bool = False
+) -> tuple:
     """`traced(operand)` if `pred`, else `(held(...), operand)`, in the form the
-    backend runs best (chosen when the program is lowered for it)."""
+    backend runs best (chosen when the program is lowered for it). `spending` picks
+    `_spending_loop_form` on the CPU (see `release_if`)."""
+
+    def on_cpu(p: jax.Array, op: Any, k: list) -> tuple:
+        if spending:
+            return _spending_loop_form(p, traced, op, k)
+        return _loop_form(p, traced, op, k, held)
+
     return lax.platform_dependent(
         pred,
         operand,
         traced.consts,
-        cpu=lambda p, op, k: _loop_form(p, traced, op, k, held),
+        cpu=on_cpu,
         default=lambda p, op, k: _cond_form(p, traced, op, k, held),
     )
 
@@ -371,16 +380,9 @@ def release_if(
         updates, (kept, spent) = update_if(pred, whole, (kept, spent), salt=salt, params=params)
         return updates, kept, spent
     traced = _Traced.of(whole, (kept, spent))
-    held = _held_zeros(traced, salt)
-    if not _can_spend(pred, traced.out_shapes[0], spent):
-        updates, (kept, spent) = _run_if(pred, traced, (kept, spent), held)
-        return updates, kept, spent
-    updates, (kept, spent) = lax.platform_dependent(
-        pred,
-        (kept, spent),
-        traced.consts,
-        cpu=lambda p, op, k: _spending_loop_form(p, traced, op, k),
-        default=lambda p, op, k: _cond_form(p, traced, op, k, held),
+    spending = _can_spend(pred, traced.out_shapes[0], spent)
+    updates, (kept, spent) = _run_if(
+        pred, traced, (kept, spent), _held_zeros(traced, salt), spending=spending
     )
     return updates, kept, spent
 
