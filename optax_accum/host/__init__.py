@@ -34,8 +34,9 @@ in any call, KeyboardInterrupt included, leaves the counter and the aggregate
 consistent and every other waiting take served or timing out at its deadline.
 
 Modules: `_takes` (the queue of takes and its deadlines), `_core` (step, counters,
-hand-off, shared names), `_dense` and `_sparse` (the two accumulators), `_args` and
-`_device` (argument checks, buffers the accumulator owns).
+hand-off, shared names), `_dense` and `_sparse` (the two accumulators), `_slots` (the
+sparse one's slot table: which row id each slot holds), `_args` and `_device`
+(argument checks, buffers the accumulator owns).
 """
 
 from optax_accum.host._dense import ConditionalAccumulator

@@ -15,6 +15,8 @@ SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32"
 
 Shape = tuple[int | None, ...]
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 def check_dtype(dtype: Any) -> np.dtype:
     try:
@@ -163,3 +165,98 @@ def as_array(x: Any, dtype: np.dtype, what: str) -> Any:
             f"jit or deleted) before the apply"
         )
     return x
+
+
+# --------------------------------------------------------------------------- sparse gradients
+
+
+def check_sparse_grad(
+    indices: Any, values: Any, grad_shape: Any, shape: Shape | None, dtype: np.dtype
+) -> tuple[np.ndarray, Any]:
+    """TF's checks of a sparse gradient against an accumulator of `shape` and `dtype`,
+    in TF's order; returns the indices as an int64 NumPy vector, and the values."""
+    if not hasattr(indices, "shape"):
+        listed = np.asarray(indices)
+        indices = listed.astype(np.int32) if listed.size == 0 else listed
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"grad_indices must be integers, got dtype {indices.dtype}")
+    if len(indices.shape) != 1:
+        raise ValueError(f"grad_indices must be a vector, got shape {list(indices.shape)}")
+    values = as_array(values, dtype, "grad_values")
+    if len(values.shape) == 0:
+        raise ValueError("grad_values cannot be 0-dimensional; expected [nnz, ...]")
+    if values.shape[0] != indices.shape[0]:
+        raise ValueError(
+            f"grad_values must have one row per index: expected {indices.shape[0]} "
+            f"rows, got {values.shape[0]}"
+        )
+    grad_shape = _check_grad_shape(grad_shape, shape)
+    host = np.asarray(jax.device_get(indices)).astype(np.int64, copy=False)
+    if host.size:
+        _check_row_ids(host, grad_shape, shape)
+    _check_values_shape(values, shape)
+    return host, values
+
+
+def _check_grad_shape(grad_shape: Any, known: Shape | None) -> Shape | None:
+    """`grad_shape` as a shape, checked against the accumulator's."""
+    grad_shape = check_shape(grad_shape, "grad_shape")
+    if not grad_shape or known is None:
+        return grad_shape
+    if len(grad_shape) < len(known):
+        raise ValueError(
+            f"grad_shape must have rank at least {len(known)} (the accumulator's "
+            f"shape {fmt(known)}), got {fmt(grad_shape)}"
+        )
+    for i, (k, g) in enumerate(zip(known, grad_shape, strict=False)):
+        if k is not None and g is not None and k != g:
+            raise ValueError(
+                f"grad_shape dim {i} must be {k} (the accumulator's shape {fmt(known)}), got {g}"
+            )
+    return grad_shape
+
+
+def _check_row_ids(host: np.ndarray, grad_shape: Shape | None, known: Shape | None) -> None:
+    """Non-empty host indices: row ids below every known dim 0, within int32."""
+    low = int(host.argmin())
+    if host[low] < 0:
+        raise ValueError(f"grad_indices[{low}] = {host[low]} is negative; indices must be row ids")
+    high = int(host.argmax())
+    limit = known[0] if known else None
+    if limit is not None and host[high] >= limit:
+        raise ValueError(
+            f"grad_indices[{high}] = {host[high]} exceeds the accumulator's shape[0] = {limit}"
+        )
+    if grad_shape and grad_shape[0] is not None and host[high] >= grad_shape[0]:
+        raise ValueError(
+            f"grad_indices[{high}] = {host[high]} exceeds grad_shape[0] = {grad_shape[0]}"
+        )
+    if host[high] > _INT32_MAX:
+        raise ValueError(f"grad_indices[{high}] = {host[high]} does not fit in int32")
+
+
+def _check_values_shape(values: Any, known: Shape | None) -> None:
+    """The values' rank and row dims against the accumulator's shape."""
+    if known is None:
+        return
+    if len(values.shape) < len(known):
+        raise ValueError(
+            f"grad_values must have rank at least {len(known)} (the accumulator's "
+            f"shape {fmt(known)}), got shape {list(values.shape)}"
+        )
+    for i in range(1, len(known)):
+        if known[i] is not None and known[i] != values.shape[i]:
+            raise ValueError(
+                f"grad_values dim {i} must be {known[i]} (the accumulator's shape "
+                f"{fmt(known)}), got {values.shape[i]}"
+            )
+
+
+def check_rows_like(values: Any, known: tuple[int, ...] | None) -> None:
+    """The values' rows must have the shape of the batch's earlier gradients' rows
+    (`known`, fixed by the first gradient since the last take)."""
+    if known is not None and (len(values.shape) != len(known) or values.shape[1:] != known[1:]):
+        raise ValueError(
+            f"grad_values rows must have shape {list(known[1:])} (fixed by the first "
+            f"gradient since the last take), got {list(values.shape[1:])}"
+        )

@@ -176,12 +176,8 @@ class DenseCore(Core):
         batch.aggregate, batch.pending, batch.in_flight, batch.grad_shape, batch.count = new
 
     def reduce(self, batch: DenseBatch) -> jax.Array:
-        aggregate, pending = batch.aggregate, batch.pending
-        buffers = (*batch.in_flight, *(b for _, b in pending))
-        if aggregate is None and len(pending) == 1:
-            only, buffer = pending[0]
-            if buffer is None and only.dtype == self.acc_dtype:  # our own copy: adopt it
-                aggregate, pending = only, ()
+        buffers = (*batch.in_flight, *(b for _, b in batch.pending))
+        aggregate, pending = self._adopted(batch)
         if not pending and (not self.mean or batch.count == 1) and aggregate.dtype == self.dtype:
             result = aggregate  # nothing to add, divide or cast
         else:
@@ -197,6 +193,16 @@ class DenseCore(Core):
         jax.block_until_ready(result)  # the staging buffers it read are free now
         self.device.recycle(buffers)
         return result
+
+    def _adopted(self, batch: DenseBatch) -> tuple[jax.Array | None, tuple]:
+        """The batch's aggregate and pending gradients, with a lone pending gradient
+        that is our own copy in the accumulator's dtype adopted as the aggregate."""
+        aggregate, pending = batch.aggregate, batch.pending
+        if aggregate is None and len(pending) == 1:
+            only, buffer = pending[0]
+            if buffer is None and only.dtype == self.acc_dtype:  # our own copy
+                return only, ()
+        return aggregate, pending
 
 
 # --------------------------------------------------------------------------- public object

@@ -2,10 +2,10 @@
 
 Rows live on a JAX device in slots, in arrival order, in a buffer that grows by
 powers of two (no fixed capacity); the row id and count of each slot are NumPy on the
-host, and a table of hints (row id to slot) finds a gradient's slots in O(nnz). A
-gradient's rows are scattered into their slots by one jitted kernel that donates the
-buffer; its row count is padded to a power of two, so compilations stay bounded
-however the sizes vary. The first gradient after a take, sorted and unique as TF
+host, in the slot table of `_slots`, whose hints (row id to slot) find a gradient's
+slots in O(nnz). TF's checks of a gradient are in `_args`. A gradient's rows are
+scattered into their slots by one jitted kernel that donates the buffer; its row count
+is padded to a power of two, so compilations stay bounded however the sizes vary. The first gradient after a take, sorted and unique as TF
 expects, becomes the buffer itself. When a batch is handed to a take, the thread
 handing it over sorts the slots by row id and dispatches the gather (so it runs right
 after the batch's scatters, not behind the next batch's); the taker then only waits
@@ -28,12 +28,10 @@ import numpy as np
 
 from optax_accum.host import _args
 from optax_accum.host._core import Batch, Core, HostAccumulator
+from optax_accum.host._slots import SlotHints, bucket, sorted_slots, unique_ids
 from optax_accum.indexed_slices import IndexedSlices
 
-_MIN_BUCKET = 8
 _MAX_UNSETTLED = 4  # scatters in flight at most
-_INT32_MAX = int(np.iinfo(np.int32).max)
-_DENSE_IDS = 32  # row ids below 32x their count are sorted through a table, not a sort
 
 
 # --------------------------------------------------------------------------- kernels
@@ -92,11 +90,6 @@ def _merge_copy(
     return _divide(summed, counts, mean, dtype)
 
 
-def _bucket(n: int) -> int:
-    """The smallest power of two >= max(n, _MIN_BUCKET): sizes that bound compilations."""
-    return max(_MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
-
-
 # --------------------------------------------------------------------------- state
 
 
@@ -139,65 +132,6 @@ class SparseBatch(Batch):
         self.answer: tuple | None = None  # (indices, rows, n) once the take's gather is dispatched
 
 
-class SlotHints:
-    """Where each row id was last given a slot: a table indexed by row id (or, past
-    `limit` entries, by its low bits), so finding a gradient's slots costs O(nnz),
-    not a merge with every row of the batch.
-
-    A hint is only a guess: a batch trusts it only when its `slot_ids` confirm it, so
-    the table is never cleared, outlives batches, and can be written before a kernel
-    that may fail. A row id whose hint was overwritten by another's (only past
-    `limit`) gets a second slot; the take adds such slots together.
-    """
-
-    limit = 1 << 22  # entries at most (16 MiB)
-
-    def __init__(self) -> None:
-        self.table = np.zeros(0, np.int32)
-
-    def _keys(self, ids: np.ndarray) -> np.ndarray:
-        return ids & (self.table.shape[0] - 1)
-
-    def slots(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
-        """The slot of each of the sorted unique `ids` in a batch whose slots hold
-        `slot_ids`, or -1 where it has none."""
-        n = slot_ids.shape[0]
-        if n == 0 or ids.shape[0] == 0 or self.table.shape[0] == 0:
-            return np.full(ids.shape, -1, np.int32)
-        hint = self.table[self._keys(ids)]
-        hint = np.where(hint < n, hint, 0)
-        return np.where(slot_ids[hint] == ids, hint, -1).astype(np.int32, copy=False)
-
-    def remember(self, ids: np.ndarray, slots: np.ndarray, slot_ids: np.ndarray) -> None:
-        """Records that sorted `ids` are in `slots` of a batch whose slots hold
-        `slot_ids` (used to refill a table that grows)."""
-        if ids.shape[0] == 0:
-            return
-        size = min(_bucket(int(ids[-1]) + 1), self.limit)
-        if size > self.table.shape[0]:
-            self.table = np.zeros(size, np.int32)
-            self.table[self._keys(slot_ids)] = np.arange(slot_ids.shape[0], dtype=np.int32)
-        self.table[self._keys(ids)] = slots
-
-
-def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """A gradient's sorted unique row ids and, unless `ids` already were (as TF
-    expects), the index of each id among them."""
-    if ids.shape[0] < 2 or (ids[1:] > ids[:-1]).all():
-        return ids, None
-    return np.unique(ids, return_inverse=True)
-
-
-def _check_rows_like_batch(values: Any, batch: SparseBatch) -> None:
-    """The values' rows must have the shape of the batch's earlier gradients' rows."""
-    known = batch.values_shape
-    if known is not None and (len(values.shape) != len(known) or values.shape[1:] != known[1:]):
-        raise ValueError(
-            f"grad_values rows must have shape {list(known[1:])} (fixed by the first "
-            f"gradient since the last take), got {list(values.shape[1:])}"
-        )
-
-
 class SparseCore(Core):
     kind = "SparseConditionalAccumulator"
 
@@ -214,98 +148,18 @@ class SparseCore(Core):
         """Whether `values` is finite; only asked under `skip_nonfinite` (it syncs)."""
         return bool(np.isfinite(np.asarray(jax.device_get(values), np.float32)).all())
 
-    def _validate(self, indices: Any, values: Any, grad_shape: Any) -> tuple[np.ndarray, Any]:
-        """TF's checks, in TF's order, that need no lock; returns host indices, values."""
-        if not hasattr(indices, "shape"):
-            listed = np.asarray(indices)
-            indices = listed.astype(np.int32) if listed.size == 0 else listed
-        if not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(f"grad_indices must be integers, got dtype {indices.dtype}")
-        if len(indices.shape) != 1:
-            raise ValueError(f"grad_indices must be a vector, got shape {list(indices.shape)}")
-        values = _args.as_array(values, self.dtype, "grad_values")
-        if len(values.shape) == 0:
-            raise ValueError("grad_values cannot be 0-dimensional; expected [nnz, ...]")
-        if values.shape[0] != indices.shape[0]:
-            raise ValueError(
-                f"grad_values must have one row per index: expected {indices.shape[0]} "
-                f"rows, got {values.shape[0]}"
-            )
-        grad_shape = self._check_grad_shape(grad_shape)
-        host = np.asarray(jax.device_get(indices)).astype(np.int64, copy=False)
-        if host.size:
-            self._check_row_ids(host, grad_shape)
-        self._check_values_shape(values)
-        return host, values
-
-    def _check_grad_shape(self, grad_shape: Any) -> _args.Shape | None:
-        """`grad_shape` as a shape, checked against the accumulator's."""
-        known = self.shape
-        grad_shape = _args.check_shape(grad_shape, "grad_shape")
-        if not grad_shape or known is None:
-            return grad_shape
-        if len(grad_shape) < len(known):
-            raise ValueError(
-                f"grad_shape must have rank at least {len(known)} (the accumulator's "
-                f"shape {_args.fmt(known)}), got {_args.fmt(grad_shape)}"
-            )
-        for i, (k, g) in enumerate(zip(known, grad_shape, strict=False)):
-            if k is not None and g is not None and k != g:
-                raise ValueError(
-                    f"grad_shape dim {i} must be {k} (the accumulator's shape "
-                    f"{_args.fmt(known)}), got {g}"
-                )
-        return grad_shape
-
-    def _check_row_ids(self, host: np.ndarray, grad_shape: _args.Shape | None) -> None:
-        """Non-empty host indices: row ids below every known dim 0, within int32."""
-        low = int(host.argmin())
-        if host[low] < 0:
-            raise ValueError(
-                f"grad_indices[{low}] = {host[low]} is negative; indices must be row ids"
-            )
-        high = int(host.argmax())
-        limit = self.shape[0] if self.shape else None
-        if limit is not None and host[high] >= limit:
-            raise ValueError(
-                f"grad_indices[{high}] = {host[high]} exceeds the accumulator's shape[0] = {limit}"
-            )
-        if grad_shape and grad_shape[0] is not None and host[high] >= grad_shape[0]:
-            raise ValueError(
-                f"grad_indices[{high}] = {host[high]} exceeds grad_shape[0] = {grad_shape[0]}"
-            )
-        if host[high] > _INT32_MAX:
-            raise ValueError(f"grad_indices[{high}] = {host[high]} does not fit in int32")
-
-    def _check_values_shape(self, values: Any) -> None:
-        """The values' rank and row dims against the accumulator's shape."""
-        known = self.shape
-        if known is None:
-            return
-        if len(values.shape) < len(known):
-            raise ValueError(
-                f"grad_values must have rank at least {len(known)} (the accumulator's "
-                f"shape {_args.fmt(known)}), got shape {list(values.shape)}"
-            )
-        for i in range(1, len(known)):
-            if known[i] is not None and known[i] != values.shape[i]:
-                raise ValueError(
-                    f"grad_values dim {i} must be {known[i]} (the accumulator's shape "
-                    f"{_args.fmt(known)}), got {values.shape[i]}"
-                )
-
     def apply(self, indices: Any, values: Any, grad_shape: Any, local_step: Any) -> bool:
         step = _args.check_step("local_step", local_step)
-        ids, values = self._validate(indices, values, grad_shape)
+        ids, values = _args.check_sparse_grad(indices, values, grad_shape, self.shape, self.dtype)
         nnz = ids.shape[0]
         finite = self.finite(values) if self.skip_nonfinite else True
-        unique, inverse = _unique(ids)
+        unique, inverse = unique_ids(ids)
         values, staged, callers = self._own_rows(values, nnz)
         accepted = False
         try:
             with self.lock, self.device.precision():
                 batch = self.batch
-                _check_rows_like_batch(values, batch)
+                _args.check_rows_like(values, batch.values_shape)
                 accepted = self.admit(step, finite)
                 if accepted:
                     grad = _Rows(unique, inverse, values, nnz)
@@ -322,7 +176,7 @@ class SparseCore(Core):
         caller's. A caller's JAX array on our device that needs no padding is used as it
         is (read by a kernel now, never kept); other values are copied, on a CPU device
         into a pooled staging buffer (a fresh megabyte costs a page fault per page)."""
-        padded = _bucket(nnz) if nnz else 0
+        padded = bucket(nnz) if nnz else 0
         if nnz == padded and self.device.is_callers(values):
             return values, None, True
         if self.device.is_cpu and nnz and (nnz != padded or not isinstance(values, jax.Array)):
@@ -339,25 +193,14 @@ class SparseCore(Core):
     ) -> None:
         """Adds one accepted gradient's rows to `batch` (lock held, in the accumulator's
         precision), changing it in one assignment once the kernel is dispatched."""
-        unique, inverse, values, nnz = grad
+        unique, _, values, nnz = grad
         values_shape = (0, *values.shape[1:])
         if nnz == 0:
             batch.values_shape, batch.count = values_shape, batch.count + 1
             return
         count, new, settled = batch.count + 1, None, ()
         try:
-            if (
-                batch.rows is None
-                and self.spare is None
-                and inverse is None
-                and ours
-                and values.dtype == self.acc_dtype
-            ):
-                # The first rows since the take, sorted and unique, and no taken batch's
-                # buffer to fill: they are the buffer (its staging buffer, if any, with
-                # them: never recycled). With a spare they go into it instead: a second
-                # gradient would grow a buffer of exactly their rows, in a kernel that
-                # XLA:CPU runs inline (0.6-0.9 ms under the lock).
+            if self._becomes_buffer(batch, grad, ours):  # no kernel
                 self.hints.remember(unique, np.arange(nnz, dtype=np.int32), unique)
                 new = (values, unique, np.ones(nnz, np.int64), values_shape, 0, batch.in_flight)
             else:
@@ -375,13 +218,28 @@ class SparseCore(Core):
             raise
         self.device.recycle(settled)
 
+    def _becomes_buffer(self, batch: SparseBatch, grad: _Rows, ours: bool) -> bool:
+        """Whether the gradient's values become the batch's buffer as they are: the
+        first rows since the take, sorted and unique, our own copy (its staging buffer,
+        if any, goes with it: never recycled) in the accumulator's dtype, and no taken
+        batch's buffer to fill. With a spare they go into it instead: a second gradient
+        would grow a buffer of exactly their rows, in a kernel that XLA:CPU runs inline
+        (0.6-0.9 ms under the lock)."""
+        return (
+            batch.rows is None
+            and self.spare is None
+            and grad.inverse is None
+            and ours
+            and grad.values.dtype == self.acc_dtype
+        )
+
     def _scatter(self, batch: SparseBatch, grad: _Rows) -> tuple:
         """Dispatches the kernel adding a gradient's rows to the batch's buffer, growing
         it if they do not fit; returns the new buffer and bookkeeping, and whether it
         waited for the batch's earlier scatters first (lock held)."""
         unique, inverse, values, nnz = grad
         rows, known = batch.rows, batch.slot_ids.shape[0]
-        ids, counts, slot_of = self._place(batch, unique, inverse)
+        ids, counts, slot_of = self.hints.place(batch.slot_ids, batch.row_counts, unique, inverse)
         grow = rows is None or ids.shape[0] > rows.shape[0]
         target = self._buffer(ids.shape[0], values.shape[1:]) if grow else rows
         # Index vectors as long as the (bucketed) values: padding points past the end.
@@ -407,7 +265,7 @@ class SparseCore(Core):
         spare, self.spare = self.spare, None
         if spare is not None and spare.shape[0] >= n and spare.shape[1:] == row_shape:
             return spare
-        self.capacity_hint = max(self.capacity_hint, _bucket(n))
+        self.capacity_hint = max(self.capacity_hint, bucket(n))
         return jnp.zeros((self.capacity_hint, *row_shape), self.acc_dtype)
 
     def _recycle(self, rows: jax.Array | None) -> None:
@@ -431,24 +289,6 @@ class SparseCore(Core):
             batch.in_flight,
             batch.count,
         ) = new
-
-    def _place(
-        self, batch: SparseBatch, unique: np.ndarray, inverse: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The batch's bookkeeping with the sorted `unique` row ids added, as new arrays
-        (the row id and count of each slot), and the slot of each gradient value."""
-        known = batch.slot_ids
-        n = known.shape[0]
-        slots = self.hints.slots(unique, known)
-        new = slots < 0
-        added = int(new.sum())
-        slots[new] = np.arange(n, n + added, dtype=np.int32)
-        ids = np.concatenate([known, unique[new]])
-        counts = np.concatenate([batch.row_counts, np.zeros(added, np.int64)])
-        counts[slots] += 1
-        self.hints.remember(unique[new], slots[new], ids)
-        slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
-        return ids, counts, slot_of
 
     def seal(self, batch: SparseBatch) -> None:
         """Dispatches the take's gather as the batch is handed over, so it runs right
@@ -485,7 +325,7 @@ class SparseCore(Core):
 
     def _answer(self, batch: SparseBatch) -> tuple[jax.Array, jax.Array, int]:
         """The sorted row ids, the rows (at least as many, dispatched), and their count."""
-        ids, order, segments = _sorted_slots(batch.slot_ids)
+        ids, order, segments = sorted_slots(batch.slot_ids)
         n = ids.shape[0]
         indices = self.device.own(ids.astype(np.int32))
         if n == 0:
@@ -510,7 +350,7 @@ class SparseCore(Core):
         ):
             return rows  # slots already sorted, nothing to divide: no kernel
         # Gather a bucketed n rows, not the whole buffer (compiles once per bucket).
-        size = _bucket(n)
+        size = bucket(n)
         padded_order = np.zeros(size, np.int32)
         padded_order[:n] = order
         padded_counts = np.ones(size, np.int32)
@@ -523,32 +363,6 @@ class SparseCore(Core):
             padded_segments[:n] = segments
             taken = _merge_copy(rows, padded_order, padded_segments, padded_counts, **how)
         return taken
-
-
-def _sorted_slots(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The sorted unique row ids of a batch's slots, the slots in row-id order, and,
-    when a row id has several slots, the index of its unique id for each of them.
-
-    Run under the lock at every hand-off, so the common cases skip the sort: slots
-    already in row order (one gradient), and unique row ids dense enough to invert
-    through a table as long as the largest id."""
-    n = slot_ids.shape[0]
-    if n < 2 or (slot_ids[1:] > slot_ids[:-1]).all():
-        return slot_ids, np.arange(n, dtype=np.int32), None
-    top = int(slot_ids.max()) + 1
-    if top <= _DENSE_IDS * n:
-        where = np.full(top, -1, np.int32)
-        where[slot_ids] = np.arange(n, dtype=np.int32)
-        ids = np.flatnonzero(where >= 0)
-        if ids.shape[0] == n:  # unique: a row id with several slots is left to the sort
-            return ids, where[ids], None
-    keys = np.sort((slot_ids.astype(np.int64) << 32) | np.arange(n, dtype=np.int64), kind="stable")
-    ids, order = keys >> 32, (keys & 0xFFFFFFFF).astype(np.int32)
-    first = np.ones(n, bool)
-    first[1:] = ids[1:] != ids[:-1]
-    if first.all():
-        return ids, order, None
-    return ids[first], order, np.cumsum(first) - 1
 
 
 # --------------------------------------------------------------------------- public object
