@@ -1,20 +1,20 @@
 """The sparse host accumulator: `SparseConditionalAccumulator` and its device kernels.
 
-Rows live on a JAX device in slots, in arrival order, in a buffer that grows by
-powers of two (no fixed capacity); the row id and count of each slot are NumPy on the
-host, in the slot table of `_slots`, whose hints (row id to slot) find a gradient's
-slots in O(nnz). TF's checks of a gradient are in `_args`. A gradient's rows are
-scattered into their slots by one jitted kernel that donates the buffer; its row count
-is padded to a power of two, so compilations stay bounded however the sizes vary. The first gradient after a take, sorted and unique as TF
-expects, becomes the buffer itself. When a batch is handed to a take, the thread
-handing it over sorts the slots by row id and dispatches the gather (so it runs right
-after the batch's scatters, not behind the next batch's); the taker then only waits
-for it. A take whose slots are already in row order and need no division returns the
-buffer as it is; otherwise the buffer is kept for a later batch (no fresh, zeroed
-allocation per batch: a slot is zeroed when it is assigned). Likewise a NumPy
-gradient is copied into a pooled staging buffer, not a fresh one (a page fault per
-page), handed back once the scatters that read it are done: when an apply waits for
-them, or at the take.
+Rows live on a JAX device in slots, in arrival order, in a buffer that grows by powers
+of two (no fixed capacity); the row id and count of each slot are NumPy on the host,
+in the slot table of `_slots`, whose hints (row id to slot) find a gradient's slots in
+O(nnz). TF's checks of a gradient are in `_args`. A gradient's rows are scattered into
+their slots by one jitted kernel that donates the buffer; its row count is padded to a
+power of two, so compilations stay bounded however the sizes vary. The first gradient
+after a take, sorted and unique as TF expects, becomes the buffer itself. When a batch
+is handed to a take, the thread handing it over sorts the slots by row id and
+dispatches the gather (so it runs right after the batch's scatters, not behind the
+next batch's); the taker then only waits for it. A take whose slots are already in row
+order and need no division returns the buffer as it is; otherwise the buffer is kept
+for a later batch (no fresh, zeroed allocation per batch: a slot is zeroed when it is
+assigned). Likewise a NumPy gradient is copied into a pooled staging buffer, not a
+fresh one (a page fault per page), handed back once the scatters that read it are
+done: when an apply waits for them, or at the take.
 """
 
 from __future__ import annotations
