@@ -133,9 +133,9 @@ def replica(tree, r):  # replica r's slice of a stacked tree
     return jax.tree.map(lambda a: a[r], tree)
 
 
-def largest_difference(tree_a, tree_b):
+def largest_difference(tree_a, tree_b):  # in NumPy: the trees may live on different meshes
     pairs = zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b), strict=True)
-    return max(float(jnp.abs(a - b).max()) for a, b in pairs)
+    return max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in pairs)
 
 
 # %% [markdown]
