@@ -82,11 +82,18 @@ def test_command_line_runs_one_section_prints_the_table_and_saves_the_plot(tmp_p
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
     assert list(_blocks(proc.stdout)) == ["accumulate"]
-    (row,) = _blocks(proc.stdout)["accumulate"]
-    method, accuracy, updates, dropped, all_reduces, seconds = row.strip().rsplit(None, 5)
-    assert method == "conditional_accumulator(adam, 4), 20% stale"
-    assert 0.0 <= float(accuracy) <= 1.0 and float(seconds) > 0
-    assert int(updates) + int(dropped) <= 4 and all_reduces == "-"  # one device
+    rows = [row.strip().rsplit(None, 5) for row in _blocks(proc.stdout)["accumulate"]]
+    assert [r[0] for r in rows] == [
+        "async adam, every gradient",
+        "MultiSteps(adam, 3), every gradient",
+        "conditional_accumulator(adam, 3)",
+    ]
+    for _, accuracy, _, _, all_reduces, seconds in rows:
+        assert 0.0 <= float(accuracy) <= 1.0 and float(seconds) > 0
+        assert all_reduces == "-"  # one device
+    (_, _, *adam), (_, _, *multi), (_, _, *acc) = [(*r[:2], int(r[2]), int(r[3])) for r in rows]
+    assert adam == [4, 0] and multi == [1, 0]  # 4 gradients: 4 updates; 1 of 3, 1 pending
+    assert 0 <= 4 - acc[1] - 3 * acc[0] <= 2  # fresh gradients, 3 per update, 0-2 pending
     for word in ("acc.", "updates", "dropped", "all-red.", "s "):  # the legend
         assert any(line.startswith(word) for line in lines), word
     plot = tmp_path / "optax_accum_demo.png"
@@ -147,3 +154,25 @@ def test_section_runs_at_a_small_size(name, capsys, tmp_path):
         assert line.strip().startswith(row.method)
         assert f"{row.accuracy:.3f}" in line
     assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_accumulate_compares_three_learners_on_one_stale_stream():
+    # The first panel: the same delivered gradients for every learner; plain Adam
+    # applies each, MultiSteps one update per 3, the accumulator drops the stale ones
+    # and applies one update per 3 fresh ones.
+    from optax_accum.demo import accumulate
+
+    steps = 40
+    order = accumulate.arrival_order(steps, seed=0)
+    assert len(order) == steps and set(order) == set(range(accumulate.WORKERS))
+    assert order.count(0) < steps / accumulate.WORKERS  # worker 0 straggles
+    with jax.numpy_dtype_promotion("standard"):
+        rows = accumulate.run(demo.Sizes(steps=steps, batch=8))
+    adam, multi, acc = rows
+    assert "adam" in adam.method and "MultiSteps" in multi.method
+    assert acc.method == "conditional_accumulator(adam, 3)"
+    assert (adam.updates, adam.dropped) == (steps, 0)
+    assert (multi.updates, multi.dropped) == (steps // 3, 0)
+    assert acc.dropped > 0  # gradients computed before the last release are stale
+    assert 0 <= steps - acc.dropped - 3 * acc.updates <= 2
+    assert [s for s, _ in adam.curve] == [s for s, _ in multi.curve] == [s for s, _ in acc.curve]

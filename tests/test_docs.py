@@ -130,14 +130,9 @@ def _addresses(text: str) -> set[str]:
 def test_every_link_resolves_or_is_confirmed():
     texts = {p: p.read_text() for p in [*PAGES, ROOT / "pyproject.toml", ROOT / "LICENSE"]}
     texts |= {p: p.read_text() for p in (ROOT / "colab").glob("*.ipynb")}
-    texts[ROOT / "colab/make_notebooks.py"] = (ROOT / "colab/make_notebooks.py").read_text()
+    texts |= {p: p.read_text() for p in (ROOT / "colab").glob("*.py")}  # their sources
     for path, text in texts.items():
         unconfirmed = _addresses(text) - CONFIRMED
-        if path.name == "make_notebooks.py":  # the badge template, used once filled in
-            unconfirmed = {u for u in unconfirmed if "{" not in u} - {
-                "https://colab.research.google.com/assets/colab-badge.svg",
-                "https://github.com/",
-            }
         assert not unconfirmed, f"{path.name}: {sorted(unconfirmed)}"
     for page in PAGES:
         for target in re.findall(r"\]\((?!https?://)([^)#]+)(?:#[^)]*)?\)", page.read_text()):
@@ -146,7 +141,7 @@ def test_every_link_resolves_or_is_confirmed():
 
 def test_the_public_address_lives_in_one_place():
     urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
-    for path in [*PAGES, *(ROOT / "colab").glob("*.ipynb")]:
+    for path in [*PAGES, *(ROOT / "colab").glob("*.ipynb"), *(ROOT / "colab").glob("*.py")]:
         text = path.read_text()
         assert "optax-accum/optax_accum" not in text, path.name
         if "Repository" not in urls:  # not known yet: no link to it anywhere

@@ -1,65 +1,119 @@
-"""Every notebook in colab/ runs top to bottom (nbclient) on 1 and on 8 devices, and is
-stored clean.
+"""Every notebook in colab/ is its percent-format script, stored clean, and runs top to
+bottom (nbclient) on 1 and on 8 devices.
+
+The scripts colab/*.py are the notebooks' source; `jupytext --update --to ipynb
+colab/*.py` writes the .ipynb files from them. Each .ipynb must hold its script's cells
+(same types, sources and tags) and no outputs. The cells the notebooks share are the
+same text in each: the setup cell, whose constants follow pyproject.toml, and the data
+cell, which imports the data (and the model) from optax_accum.demo.notebook.
 
 Each notebook is executed in a fresh Jupyter kernel on the CPU, with the number of
 simulated devices its first cell sets taken from OPTAX_ACCUM_CPU_DEVICES (1 stands for
 a GPU or a single TPU chip, 8 for a TPU v2-8's cores), the kernel's inline (Agg)
 matplotlib backend, and a cell that shrinks `STEPS` inserted below the cell tagged
-"parameters". A cell that raises fails the test. The notebooks must match what
-colab/make_notebooks.py writes. The Colab install step is checked without a network:
-it must pin the runtime's jax and jaxlib.
+"parameters". A cell that raises fails the test. The Colab install step is checked
+without a network: it must pin the runtime's jax and jaxlib.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
-import importlib.util
 import pathlib
+import re
+import tomllib
 import types
 
+import jupytext
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+COLAB = ROOT / "colab"
+SCRIPTS = sorted(COLAB.glob("*.py"))
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 QUICK_STEPS = 24
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# The project's public address, when pyproject.toml's [project.urls] has it.
+REPOSITORY = PYPROJECT["project"].get("urls", {}).get("Repository")
+SYNC = "jupytext --update --to ipynb colab/*.py"
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("make_notebooks", COLAB / "make_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _cells(nb) -> list[tuple[str, str, list[str]]]:
+    return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
 
 
-def test_there_are_the_four_notebooks_at_least():
-    names = {p.stem for p in NOTEBOOKS}
-    assert {
+def _setup_source(path: pathlib.Path) -> str:
+    return jupytext.read(path).cells[1].source
+
+
+def test_there_are_the_five_notebooks():
+    names = {
         "accumulation_with_staleness",
         "data_parallel_cross_shard",
         "sparse_embeddings",
         "agn_vs_sync_sgd",
-    } <= names
+        "host_accumulator_threads",
+    }
+    assert {p.stem for p in SCRIPTS} == names
+    assert {p.stem for p in NOTEBOOKS} == names
 
 
-def test_notebooks_are_generated_and_stored_without_outputs():
-    generator = _generator()
-    assert {p.stem for p in NOTEBOOKS} == set(generator.NOTEBOOKS)
-    for path in NOTEBOOKS:
-        stored = nbformat.read(path, as_version=4)
-        assert stored == generator.build(path.stem), f"{path.name}: re-run make_notebooks.py"
-        for cell in stored.cells:
-            if cell.cell_type == "code":
-                assert cell.outputs == [] and cell.execution_count is None, path.name
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_notebook_is_its_script_without_outputs(script):
+    path = script.with_suffix(".ipynb")
+    assert path.exists(), f"{path.name} is missing: run `{SYNC}`"
+    stored = nbformat.read(path, as_version=4)
+    nbformat.validate(stored)
+    assert _cells(stored) == _cells(jupytext.read(script)), f"{path.name}: run `{SYNC}`"
+    assert stored.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert stored.metadata.get("colab", {}).get("name") == path.name
+    for cell in stored.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, path.name
+
+
+def test_a_changed_script_is_a_mismatch(tmp_path):
+    # The comparison above can fail: one edited line of a script is a different notebook.
+    script = SCRIPTS[0]
+    edited = tmp_path / script.name
+    edited.write_text(script.read_text().replace("# %%\n", "# %%\nSTEPS = 1\n", 1))
+    stored = nbformat.read(script.with_suffix(".ipynb"), as_version=4)
+    assert _cells(stored) != _cells(jupytext.read(edited))
+
+
+def test_shared_cells_are_the_same_in_every_notebook():
+    notebooks = [jupytext.read(p) for p in SCRIPTS]
+    for i, role in [(1, "setup"), (3, "data")]:
+        sources = {nb.cells[i].source for nb in notebooks}
+        assert len(sources) == 1, f"the {role} cells differ between the notebooks"
+    data = notebooks[0].cells[3].source
+    assert "from optax_accum.demo import notebook" in data
+    assert "parameters" in notebooks[0].cells[2].metadata.get("tags", [])
+
+
+def test_setup_cell_follows_pyproject():
+    tree = ast.parse(_setup_source(SCRIPTS[0]))
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+        if node.targets[0].id in ("REPOSITORY", "MIN_JAX")
+    }
+    floor = next(
+        re.fullmatch(r"jax>=([\d.]+)", d)[1]
+        for d in PYPROJECT["project"]["dependencies"]
+        if d.startswith("jax>=")
+    )
+    assert constants == {"REPOSITORY": REPOSITORY, "MIN_JAX": floor}
 
 
 def test_first_cells_say_how_to_open_and_install():
-    generator = _generator()
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         intro, setup = nb.cells[0].source, nb.cells[1].source
-        if generator.REPOSITORY:
+        if REPOSITORY:
             assert "colab.research.google.com/assets/colab-badge.svg" in intro, path.name
             assert f"/blob/main/colab/{path.name}" in intro, path.name
         else:  # no address to link to: no badge, and how to get the notebook there
@@ -71,8 +125,7 @@ def test_first_cells_say_how_to_open_and_install():
 
 def _install_step(tmp_path, wheels):
     """The setup cell's install function, with pip, glob and the pin file faked."""
-    generator = _generator()
-    setup = generator.SETUP
+    setup = _setup_source(SCRIPTS[0])
     namespace: dict = {}
     exec(
         compile(setup[: setup.index('if "google.colab" in sys.modules')], "setup", "exec"),
@@ -91,13 +144,13 @@ def _install_step(tmp_path, wheels):
     namespace["subprocess"] = types.SimpleNamespace(run=fake_run)
     namespace["glob"] = types.SimpleNamespace(glob=lambda pattern: wheels)
     namespace["open"] = fake_open
-    return namespace["install_optax_accum"], calls, generator
+    return namespace["install_optax_accum"], calls
 
 
 def test_colab_install_keeps_the_runtime_jax(tmp_path):
     wheel = "/content/optax_accum-0.1.0-py3-none-any.whl"
-    install, calls, generator = _install_step(tmp_path, [wheel])
-    if generator.REPOSITORY:
+    install, calls = _install_step(tmp_path, [wheel])
+    if REPOSITORY:
         pytest.fail("update this test: the repository address is known now")
     install()
     cmd, pins = calls[0]
@@ -107,7 +160,7 @@ def test_colab_install_keeps_the_runtime_jax(tmp_path):
 
 
 def test_colab_install_without_a_source_says_what_to_upload(tmp_path):
-    install, calls, _ = _install_step(tmp_path, [])
+    install, calls = _install_step(tmp_path, [])
     with pytest.raises(RuntimeError, match=r"optax_accum is not installed\. Build a wheel"):
         install()
     assert not calls

@@ -25,7 +25,7 @@ SECTIONS: dict[str, tuple[str, int]] = {
 }
 
 TITLES = {
-    "accumulate": "conditional_accumulator: 4 workers, one gradient in five a step stale",
+    "accumulate": "stale workers: conditional_accumulator against MultiSteps and async Adam",
     "agn": "agn (local SGD) against synchronous SGD: 8 workers, one shard of digits each",
     "data_parallel": "data parallelism on 8 devices, backup workers, asynchronous workers",
     "sparse": "sparse_conditional_accumulator: an embedding-bag model's row-sparse gradients",
@@ -35,6 +35,8 @@ TITLES = {
 EXTRA = {"sklearn": "scikit-learn", "flax": "flax", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 INSTALL = 'pip install "optax-accum[demo]"'
 WIDTH = 100  # the table fits in this many columns
+# The x axis of a section's panel, where it is not one training step per point.
+XLABELS = {"accumulate": "gradients delivered", "agn": "local step of each worker"}
 
 LEGEND = """\
 acc.      test accuracy of the trained model (AGN: the centre) on 360 held-out digits
@@ -125,7 +127,7 @@ def save_plot(rows: Sequence[Row], path: str) -> None:
                 steps, accuracy = zip(*r.curve, strict=True)
                 ax.plot(steps, accuracy, label=r.method, linewidth=1.3)
         ax.set_title(f"[{section}] {TITLES.get(section, '')}", fontsize=9)
-        ax.set_xlabel("local step of each worker" if section == "agn" else "training step")
+        ax.set_xlabel(XLABELS.get(section, "training step"))
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0.0, 1.0)
         ax.grid(True, alpha=0.3)
