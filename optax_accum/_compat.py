@@ -87,6 +87,24 @@ def all_gather_invariant(x: jax.Array, axis_name: Hashable | Sequence[Hashable])
     )
 
 
+def explicit_sharding(aval: Any) -> Any:
+    """The sharding in `aval`'s type when its mesh has an `Explicit` axis, else None.
+
+    `aval` is an abstract value (or a `jax.ShapeDtypeStruct`). Under explicit sharding
+    (`jax.make_mesh`'s default from jax 0.10, or `axis_types=(AxisType.Explicit, ...)`),
+    an array built from a shape alone is replicated, and a replicated value where a
+    sharded one was traced is a type error: pass the result as `out_sharding=` to
+    `jnp.zeros` or `jnp.broadcast_to`. Under auto sharding or no mesh there is nothing
+    to pass (sharding is propagated, not typed).
+    """
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    axis_types = getattr(mesh, "axis_types", None) or ()
+    if any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return sharding
+    return None
+
+
 def enable_x64(new_val: bool = True) -> contextlib.AbstractContextManager:
     """A context manager that turns 64-bit types on (or off) in this thread.
 
@@ -117,6 +135,7 @@ _ALL_GATHER_TAKES_TO = "to" in inspect.signature(lax.all_gather).parameters
 __all__ = [
     "all_gather_invariant",
     "enable_x64",
+    "explicit_sharding",
     "make_varying",
     "pcast_varying",
     "varying_axes",

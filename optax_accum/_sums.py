@@ -30,9 +30,10 @@ def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) 
 
 
 def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> jax.Array:
-    """Zeros shaped like `param`, in the dtype its accumulator keeps."""
+    """Zeros like `param` (its shape, sharding and varying mesh axes), in the dtype its
+    accumulator keeps."""
     dtype = accumulator_dtype_for(jnp.result_type(param), accumulator_dtype)
-    return jnp.zeros(jnp.shape(param), dtype)
+    return jnp.zeros_like(param, dtype=dtype)
 
 
 def add_where(accepted: jax.Array, accumulator: jax.Array, gradient: jax.Array) -> jax.Array:
