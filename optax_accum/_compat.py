@@ -105,6 +105,38 @@ def explicit_sharding(aval: Any) -> Any:
     return None
 
 
+def leading_axis_sharding(x: Any) -> Any:
+    """Under explicit sharding, the sharding of a vector laid out like `x`'s first axis
+    (for per-row state of a parameter `x`); None otherwise.
+
+    The concrete mesh of `x` is used when it has one, so this also works outside
+    `jax.set_mesh` on an array that was placed by hand.
+    """
+    sharding = explicit_sharding(jax.typeof(x))
+    if sharding is None:
+        return None
+    mesh = sharding.mesh
+    concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(concrete, jax.sharding.NamedSharding):
+        mesh = concrete.mesh
+    spec = sharding.spec
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0] if spec else None))
+
+
+def mesh_context(mesh: Any) -> contextlib.AbstractContextManager:
+    """A context manager that makes `mesh` the current mesh (`jax.set_mesh` from jax
+    0.7, `jax.sharding.use_mesh` before).
+
+    Raises:
+      RuntimeError: when the running jax has neither.
+    """
+    if hasattr(jax, "set_mesh"):
+        return jax.set_mesh(mesh)
+    if hasattr(jax.sharding, "use_mesh"):
+        return jax.sharding.use_mesh(mesh)
+    raise RuntimeError(_missing("jax.set_mesh or jax.sharding.use_mesh"))
+
+
 def enable_x64(new_val: bool = True) -> contextlib.AbstractContextManager:
     """A context manager that turns 64-bit types on (or off) in this thread.
 
@@ -136,7 +168,9 @@ __all__ = [
     "all_gather_invariant",
     "enable_x64",
     "explicit_sharding",
+    "leading_axis_sharding",
     "make_varying",
+    "mesh_context",
     "pcast_varying",
     "varying_axes",
 ]

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_accum import _compat
+
 
 def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) -> np.dtype:
     """The dtype an accumulator keeps for a parameter leaf.
@@ -34,6 +36,13 @@ def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> 
     accumulator keeps."""
     dtype = accumulator_dtype_for(jnp.result_type(param), accumulator_dtype)
     return jnp.zeros_like(param, dtype=dtype)
+
+
+def rows_like(param: Any, fill: Any, dtype: Any) -> jax.Array:
+    """A vector of `fill`, one entry per row (first axis) of `param`, laid out like
+    those rows under explicit sharding."""
+    rows = jnp.shape(param)[:1]
+    return jnp.full(rows, fill, dtype, out_sharding=_compat.leading_axis_sharding(param))
 
 
 def add_where(accepted: jax.Array, accumulator: jax.Array, gradient: jax.Array) -> jax.Array:

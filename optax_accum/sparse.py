@@ -148,7 +148,7 @@ def _num_rows(acc: RowBuffer | DenseRows) -> int:
 def _dense_rows(param: Any) -> DenseRows:
     return DenseRows(
         values=_sums.zeros_accumulator(param),
-        touches=jnp.zeros(jnp.shape(param)[:1], jnp.int32),
+        touches=_sums.rows_like(param, 0, jnp.int32),
     )
 
 
@@ -160,7 +160,7 @@ def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
         values=jnp.zeros((capacity, *shape[1:]), dtype),
         touches=jnp.zeros((capacity,), jnp.int32),
         size=_counters.int32(0),
-        slot_of=jnp.full((shape[0],), -1, jnp.int32),
+        slot_of=_sums.rows_like(param, -1, jnp.int32),
     )
 
 
