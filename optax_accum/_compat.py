@@ -105,6 +105,27 @@ def explicit_sharding(aval: Any) -> Any:
     return None
 
 
+def sharding_of(x: Any) -> Any:
+    """`explicit_sharding` of an array's type: what to pass as `out_sharding=` to keep
+    `x`'s layout under explicit sharding (None otherwise)."""
+    return explicit_sharding(jax.typeof(x))
+
+
+def replicated_under_auto(tree: Any) -> Any:
+    """`tree` constrained to be replicated when the current mesh (`jax.set_mesh`) has
+    only `Auto` axes; unchanged otherwise.
+
+    Under auto sharding (GSPMD) the partitioner may split small index arrays over a
+    mesh axis and then stitch them back with many tiny collectives; one constraint at
+    the entry keeps them whole. Explicit sharding says the same in the types, and
+    under `jax.shard_map` each replica holds its own.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return tree
+    return lax.with_sharding_constraint(tree, jax.sharding.PartitionSpec())
+
+
 def leading_axis_sharding(x: Any) -> Any:
     """Under explicit sharding, the sharding of a vector laid out like `x`'s first axis
     (for per-row state of a parameter `x`); None otherwise.
@@ -172,5 +193,7 @@ __all__ = [
     "make_varying",
     "mesh_context",
     "pcast_varying",
+    "replicated_under_auto",
+    "sharding_of",
     "varying_axes",
 ]
