@@ -38,11 +38,11 @@ def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> 
     return jnp.zeros_like(param, dtype=dtype)
 
 
-def rows_like(param: Any, fill: Any, dtype: Any) -> jax.Array:
-    """A vector of `fill`, one entry per row (first axis) of `param`, laid out like
-    those rows under explicit sharding."""
+def row_zeros(param: Any, dtype: Any) -> jax.Array:
+    """Zeros, one per row (first axis) of `param`, laid out like those rows under
+    explicit sharding."""
     rows = jnp.shape(param)[:1]
-    return jnp.full(rows, fill, dtype, out_sharding=_compat.leading_axis_sharding(param))
+    return jnp.zeros(rows, dtype, out_sharding=_compat.leading_axis_sharding(param))
 
 
 def add_where(accepted: jax.Array, accumulator: jax.Array, gradient: jax.Array) -> jax.Array:

@@ -148,7 +148,7 @@ def _num_rows(acc: RowBuffer | DenseRows) -> int:
 def _dense_rows(param: Any) -> DenseRows:
     return DenseRows(
         values=_sums.zeros_accumulator(param),
-        touches=_sums.rows_like(param, 0, jnp.int32),
+        touches=_sums.row_zeros(param, jnp.int32),
     )
 
 
