@@ -13,7 +13,7 @@ from optax_accum.agn import AGNState, agn
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
-from optax_accum.sharding import replica_group_mesh, state_partition_specs
+from optax_accum.sharding import replica_group_mesh, state_partition_specs, state_shardings
 from optax_accum.sparse import (
     DenseRows,
     RowBuffer,
@@ -91,4 +91,5 @@ __all__ = [
     "sparse_sgd",
     "staleness_percentage",
     "state_partition_specs",
+    "state_shardings",
 ]

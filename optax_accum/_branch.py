@@ -53,15 +53,31 @@ class _Traced:
     closed: ClosedJaxpr
     out_tree: Any
     out_shapes: Any
+    in_shapes: Any
     shared: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, fn: Callable, carry: Any) -> _Traced:
-        closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(carry)
-        out_tree = jax.tree.structure(out_shapes)
-        # The abstract values, not the shapes: they carry the varying mesh axes on
-        # every jax (jax 0.8's ShapeDtypeStruct does not).
-        return cls(closed, out_tree, out_tree.unflatten(closed.out_avals))
+        """`fn` traced on `carry`, typed so that it can be run on its own output.
+
+        `fn` returns `(updates, new_carry)`. Under `jax.shard_map`, a carry leaf that
+        is replica-invariant (a state made by `init` inside the mapped function) may
+        come back varying (its update reads a per-replica gradient). A jaxpr traced
+        with the invariant type cannot run on the varying one, so the carry is traced
+        again, each such leaf typed as varying, until the types hold still; callers
+        pass the operand through `in_shapes` (`_run_if` does).
+        """
+        for _ in range(4):  # each pass can only add varying axes, so this ends fast
+            closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(carry)
+            out_tree = jax.tree.structure(out_shapes)
+            # The abstract values, not the shapes: they carry the varying mesh axes on
+            # every jax (jax 0.8's ShapeDtypeStruct does not).
+            out = out_tree.unflatten(closed.out_avals)
+            if not _gains_axes(carry, out[1]):
+                break
+            carry = _varying_as(carry, out[1])
+        in_shapes = jax.tree.structure(carry).unflatten(closed.in_avals)
+        return cls(closed, out_tree, out, in_shapes)
 
     def reading_params_from_carry(self, params: Any) -> _Traced:
         # By identity (both objects stay alive here); the first leaf wins a repeat.
@@ -92,6 +108,14 @@ def _varying_as(tree: Any, like: Any) -> Any:
     """`tree` typed as varying over the mesh axes `like` varies over too (a type-level
     cast under `jax.shard_map`; no data moves)."""
     return jax.tree.map(lambda x, r: _compat.make_varying(x, _compat.varying_axes(r)), tree, like)
+
+
+def _gains_axes(carry: Any, out: Any) -> bool:
+    """Whether some leaf of `out` varies over a mesh axis its `carry` leaf does not."""
+    return any(
+        _compat.varying_axes(o) - _compat.varying_axes(c)
+        for c, o in zip(jax.tree.leaves(carry), jax.tree.leaves(out), strict=True)
+    )
 
 
 def _as_carry(out: Any, carry: Any) -> Any:
@@ -236,6 +260,8 @@ def _run_if(
     backend runs best (chosen when the program is lowered for it). `spending` picks
     `_spending_loop_form` on the CPU (see `release_if`)."""
 
+    operand = _varying_as(operand, traced.in_shapes)
+
     def on_cpu(p: jax.Array, op: Any, k: list) -> tuple:
         if spending:
             return _spending_loop_form(p, traced, op, k)
@@ -268,8 +294,10 @@ def unmerged_zeros(like: Any, salt: jax.Array) -> Any:
 
     def zeros(i: int, s: Any) -> jax.Array:
         if _compat.varying_axes(high) - _compat.varying_axes(s):
-            return jnp.zeros(s.shape, s.dtype)
-        return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape)
+            return jnp.zeros(s.shape, s.dtype, out_sharding=_compat.explicit_sharding(s))
+        return jnp.broadcast_to(
+            (high & (i + 1)).astype(s.dtype), s.shape, out_sharding=_compat.explicit_sharding(s)
+        )
 
     return treedef.unflatten([zeros(i, s) for i, s in enumerate(leaves)])
 
@@ -305,6 +333,11 @@ def apply_if(pred: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
     return _run_if(pred, traced, carry, held=lambda salted: ())[1]
 
 
+def _zeros_of(aval: Any) -> jax.Array:
+    """Zeros of `aval`'s type: its shape, dtype and (explicit) sharding."""
+    return jnp.zeros(aval.shape, aval.dtype, out_sharding=_compat.explicit_sharding(aval))
+
+
 def _held_zeros(traced: _Traced, salt: jax.Array, held: Callable | None = None) -> Callable:
     """The `held` argument of the forms: the zero updates of a held step, mapped by
     `held` (e.g. to padding row ids); `salted` builds them with `unmerged_zeros`."""
@@ -313,7 +346,7 @@ def _held_zeros(traced: _Traced, salt: jax.Array, held: Callable | None = None) 
     def held_updates(salted: bool) -> Any:
         if salted:
             return finish(unmerged_zeros(shapes, salt))
-        return finish(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        return finish(jax.tree.map(_zeros_of, shapes))
 
     return held_updates
 
@@ -380,7 +413,7 @@ def release_if(
         updates, (kept, spent) = update_if(pred, whole, (kept, spent), salt=salt, params=params)
         return updates, kept, spent
     traced = _Traced.of(whole, (kept, spent))
-    spending = _can_spend(pred, traced.out_shapes[0], spent)
+    spending = _can_spend(pred, traced.out_shapes[0], traced.in_shapes[1])
     updates, (kept, spent) = _run_if(
         pred, traced, (kept, spent), _held_zeros(traced, salt), spending=spending
     )

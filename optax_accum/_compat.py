@@ -87,6 +87,77 @@ def all_gather_invariant(x: jax.Array, axis_name: Hashable | Sequence[Hashable])
     )
 
 
+def explicit_sharding(aval: Any) -> Any:
+    """The sharding in `aval`'s type when its mesh has an `Explicit` axis, else None.
+
+    `aval` is an abstract value (or a `jax.ShapeDtypeStruct`). Under explicit sharding
+    (`jax.make_mesh`'s default from jax 0.10, or `axis_types=(AxisType.Explicit, ...)`),
+    an array built from a shape alone is replicated, and a replicated value where a
+    sharded one was traced is a type error: pass the result as `out_sharding=` to
+    `jnp.zeros` or `jnp.broadcast_to`. Under auto sharding or no mesh there is nothing
+    to pass (sharding is propagated, not typed).
+    """
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    axis_types = getattr(mesh, "axis_types", None) or ()
+    if any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return sharding
+    return None
+
+
+def sharding_of(x: Any) -> Any:
+    """`explicit_sharding` of an array's type: what to pass as `out_sharding=` to keep
+    `x`'s layout under explicit sharding (None otherwise)."""
+    return explicit_sharding(jax.typeof(x))
+
+
+def replicated_under_auto(tree: Any) -> Any:
+    """`tree` constrained to be replicated when the current mesh (`jax.set_mesh`) has
+    only `Auto` axes; unchanged otherwise.
+
+    Under auto sharding (GSPMD) the partitioner may split small index arrays over a
+    mesh axis and then stitch them back with many tiny collectives; one constraint at
+    the entry keeps them whole. Explicit sharding says the same in the types, and
+    under `jax.shard_map` each replica holds its own.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return tree
+    return lax.with_sharding_constraint(tree, jax.sharding.PartitionSpec())
+
+
+def leading_axis_sharding(x: Any) -> Any:
+    """Under explicit sharding, the sharding of a vector laid out like `x`'s first axis
+    (for per-row state of a parameter `x`); None otherwise.
+
+    The concrete mesh of `x` is used when it has one, so this also works outside
+    `jax.set_mesh` on an array that was placed by hand.
+    """
+    sharding = explicit_sharding(jax.typeof(x))
+    if sharding is None:
+        return None
+    mesh = sharding.mesh
+    concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(concrete, jax.sharding.NamedSharding):
+        mesh = concrete.mesh
+    spec = sharding.spec
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0] if spec else None))
+
+
+def mesh_context(mesh: Any) -> contextlib.AbstractContextManager:
+    """A context manager that makes `mesh` the current mesh (`jax.set_mesh` from jax
+    0.7, `jax.sharding.use_mesh` before).
+
+    Raises:
+      RuntimeError: when the running jax has neither.
+    """
+    if hasattr(jax, "set_mesh"):
+        return jax.set_mesh(mesh)
+    if hasattr(jax.sharding, "use_mesh"):
+        return jax.sharding.use_mesh(mesh)
+    raise RuntimeError(_missing("jax.set_mesh or jax.sharding.use_mesh"))
+
+
 def enable_x64(new_val: bool = True) -> contextlib.AbstractContextManager:
     """A context manager that turns 64-bit types on (or off) in this thread.
 
@@ -117,7 +188,12 @@ _ALL_GATHER_TAKES_TO = "to" in inspect.signature(lax.all_gather).parameters
 __all__ = [
     "all_gather_invariant",
     "enable_x64",
+    "explicit_sharding",
+    "leading_axis_sharding",
     "make_varying",
+    "mesh_context",
     "pcast_varying",
+    "replicated_under_auto",
+    "sharding_of",
     "varying_axes",
 ]

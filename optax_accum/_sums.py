@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_accum import _compat
+
 
 def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) -> np.dtype:
     """The dtype an accumulator keeps for a parameter leaf.
@@ -30,9 +32,17 @@ def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) 
 
 
 def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> jax.Array:
-    """Zeros shaped like `param`, in the dtype its accumulator keeps."""
+    """Zeros like `param` (its shape, sharding and varying mesh axes), in the dtype its
+    accumulator keeps."""
     dtype = accumulator_dtype_for(jnp.result_type(param), accumulator_dtype)
-    return jnp.zeros(jnp.shape(param), dtype)
+    return jnp.zeros_like(param, dtype=dtype)
+
+
+def row_zeros(param: Any, dtype: Any) -> jax.Array:
+    """Zeros, one per row (first axis) of `param`, laid out like those rows under
+    explicit sharding."""
+    rows = jnp.shape(param)[:1]
+    return jnp.zeros(rows, dtype, out_sharding=_compat.leading_axis_sharding(param))
 
 
 def add_where(accepted: jax.Array, accumulator: jax.Array, gradient: jax.Array) -> jax.Array:

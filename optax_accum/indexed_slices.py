@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _row_ids
+from optax_accum import _compat, _row_ids
 
 
 def _is_array_like(x: Any) -> bool:
@@ -236,7 +236,10 @@ def _is_indexed_slices(x: Any) -> bool:
 def _scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
     """`target` plus the rows of `slices` (cast to `target`'s dtype); padding ignored."""
     values = slices.values.astype(target.dtype)
-    return target.at[_row_ids.row_ids(slices.indices, target.shape[0])].add(values, mode="drop")
+    ids = _row_ids.row_ids(slices.indices, target.shape[0])
+    # Under explicit sharding the sum keeps `target`'s layout: each device adds the
+    # rows that fall in its shard.
+    return target.at[ids].add(values, mode="drop", out_sharding=_compat.sharding_of(target))
 
 
 def _check_against(param: Any, slices: IndexedSlices, where: str) -> None:

@@ -94,6 +94,84 @@ def replica_group_mesh(
     return Mesh(grid, tuple(axis_names), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
+    """The sharding of every leaf of `tx.init(params)`, for params sharded on a mesh.
+
+    Each state leaf that mirrors a parameter (an accumulator, the inner optimizer's
+    moments, AGN's centre) gets that parameter's sharding, per-row state of an
+    embedding table its rows' sharding, and counters, flags and row buffers are
+    replicated. Pass the result as `out_shardings` to `jax.jit(tx.init)`, so that under
+    auto sharding (classic GSPMD) the state is created in place, never whole on one
+    device. Under explicit sharding (`jax.make_mesh`'s default from jax 0.10),
+    `tx.init` already returns the state sharded this way.
+
+    It works for every optax_accum transform and for any optax optimizer that builds
+    its state with `zeros_like` (as optax's own do): `tx.init` is traced, not run,
+    under an explicit-sharding copy of the params' mesh, where each array's type
+    carries its sharding.
+
+    Args:
+      tx: the transformation whose state is wanted.
+      params: the params (arrays or `jax.ShapeDtypeStruct`s), each with a
+        `NamedSharding` on one mesh.
+
+    Returns:
+      A tree of `NamedSharding`s on the params' mesh, shaped like the state.
+
+    Raises:
+      ValueError: when a param has no `NamedSharding`, or the params lie on several
+        meshes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, optax_accum
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> params = {"w": jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P("fsdp")))}
+      >>> tx = optax_accum.conditional_accumulator(optax.adam(1e-3), num_required=4)
+      >>> shardings = optax_accum.state_shardings(tx, params)
+      >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
+      >>> state.accumulator["w"].addressable_shards[0].data.shape  # 2 of 16 rows a device
+      (2, 4)
+      >>> state.count.sharding.is_fully_replicated
+      True
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    meshes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} must have a NamedSharding (place it "
+                f"with jax.device_put(x, NamedSharding(mesh, spec))), got {sharding!r}"
+            )
+        meshes.add(sharding.mesh)
+    if len(meshes) != 1:
+        raise ValueError(f"params must lie on one mesh, got {len(meshes)} meshes")
+    (mesh,) = meshes
+    explicit = Mesh(
+        mesh.devices,
+        mesh.axis_names,
+        axis_types=(jax.sharding.AxisType.Explicit,) * len(mesh.axis_names),
+    )
+    typed = treedef.unflatten(
+        [
+            jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=jax.sharding.NamedSharding(explicit, x.sharding.spec)
+            )
+            for x in leaves
+        ]
+    )
+    with _compat.mesh_context(explicit):
+        state = jax.eval_shape(tx.init, typed)
+
+    def on_params_mesh(leaf: Any) -> jax.sharding.NamedSharding:
+        sharding = _compat.explicit_sharding(leaf)
+        spec = P() if sharding is None else sharding.spec
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    return jax.tree.map(on_params_mesh, state)
+
+
 def _struct(tree: Any) -> Any:
     """ShapeDtypeStructs for a tree of arrays (or of ShapeDtypeStructs)."""
     return jax.eval_shape(lambda t: t, tree)

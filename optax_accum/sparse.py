@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _collectives, _counters, _row_ids, _sums
+from optax_accum import _branch, _checks, _collectives, _compat, _counters, _row_ids, _sums
 from optax_accum.indexed_slices import IndexedSlices
 
 
@@ -148,7 +148,7 @@ def _num_rows(acc: RowBuffer | DenseRows) -> int:
 def _dense_rows(param: Any) -> DenseRows:
     return DenseRows(
         values=_sums.zeros_accumulator(param),
-        touches=jnp.zeros(jnp.shape(param)[:1], jnp.int32),
+        touches=_sums.row_zeros(param, jnp.int32),
     )
 
 
@@ -260,10 +260,15 @@ def _add_dense(accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any) ->
     ids, values = rows
     ids = jnp.where(accepted, ids, acc.values.shape[0])
     # Every occurrence of a row writes the same count, so duplicates count once.
-    touched = acc.touches.at[ids].get(mode="fill", fill_value=0) + 1
-    return DenseRows(
-        acc.values.at[ids].add(values.astype(acc.values.dtype), mode="drop"),
-        acc.touches.at[ids].set(touched, mode="drop"),
+    touched = acc.touches.at[ids].get(
+        mode="fill", fill_value=0, out_sharding=_compat.sharding_of(ids)
+    )
+    values = values.astype(acc.values.dtype)
+    return DenseRows(  # in the accumulator's layout (explicit sharding: its row shards)
+        acc.values.at[ids].add(values, mode="drop", out_sharding=_compat.sharding_of(acc.values)),
+        acc.touches.at[ids].set(
+            touched + 1, mode="drop", out_sharding=_compat.sharding_of(acc.touches)
+        ),
     )
 
 
@@ -638,7 +643,12 @@ def sparse_conditional_accumulator(
         for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
             if isinstance(g, IndexedSlices):
                 out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, _num_rows(a))
-                slices[i] = (_row_ids.row_ids(g.indices, _num_rows(a)), g.values)
+                ids = _row_ids.row_ids(g.indices, _num_rows(a))
+                if _is_buffer(a):  # the row buffer is replicated, and so is its input
+                    ids, values = _compat.replicated_under_auto((ids, g.values))
+                else:
+                    values = g.values
+                slices[i] = (ids, values)
         sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
         if axis_name is not None:
             _checks.require_bound_axis(axis_name)

@@ -32,6 +32,7 @@ NOT_CORE = {
     "test_docs.py",
     "test_embedding.py",
     "test_flax.py",
+    "test_fsdp_flax.py",
     "test_multihost.py",
     "test_notebooks.py",
     "test_oldest_versions.py",

@@ -1,0 +1,327 @@
+"""Every transform under `jax.jit` on a (data=2, fsdp=4) mesh with FSDP-sharded params.
+
+Pods train with `jax.jit` over a device mesh, each parameter split over a mesh axis and
+the batch over another. Both sharding modes are run: explicit (the default of
+`jax.make_mesh` from jax 0.10: sharding is part of each array's type) and auto (classic
+GSPMD). For every transform and every way users write the step, 8 steps on the mesh
+must equal the same 8 steps on one device in float64, with:
+
+- each state leaf that mirrors a parameter laid out like that parameter (its shard, and
+  no more, on every device), per-row state like the rows, counters replicated;
+- no collective added to those of the same step with the bare inner optimizer;
+- on the CPU, no full-size copy on a held step (tests/test_regression_guard.py's guard).
+
+Params: a weight sharded over `fsdp`, one sharded in 2-D (`P("fsdp", "data")`) and a
+replicated bias; the sparse case an embedding table sharded over its rows, with
+`IndexedSlices` gradients.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _cases import lenient
+from _hlo import every_call, full_size_counts, instructions
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum import _compat
+
+STEPS = 8
+LAGS = (0, 0, 1, 0, 3, 0, 0, 2)  # how stale each step's gradient is
+MODES = ("explicit", "auto")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+DENSE_SPECS = {"w": P("fsdp", None), "v": P("fsdp", "data"), "b": P()}
+SPARSE_SPECS = {"emb": P("fsdp", None), "b": P()}
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with _compat.enable_x64():
+        yield
+
+
+def _mesh(mode: str) -> jax.sharding.Mesh:
+    kind = jax.sharding.AxisType.Explicit if mode == "explicit" else jax.sharding.AxisType.Auto
+    return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind, kind))
+
+
+def _adam():
+    return lenient(optax.adam(0.05))
+
+
+# Each case: (transform, params kind, whether it takes `local_step`, bare inner).
+CASES = {
+    "conditional_accumulator": (
+        lambda: optax_accum.conditional_accumulator(_adam(), 2), "dense", True, _adam,
+    ),
+    "sparse_accumulator_dense_leaves": (
+        lambda: optax_accum.sparse_conditional_accumulator(
+            _adam(), 2, capacity=4, sparse={"w": False, "v": False, "b": False}
+        ),
+        "dense", True, _adam,
+    ),
+    "sparse_accumulator_rows": (
+        lambda: optax_accum.sparse_conditional_accumulator(
+            optax_accum.sparse_sgd(0.5), 2, capacity=12
+        ),
+        "sparse", True, lambda: optax_accum.sparse_sgd(0.5),
+    ),
+    "drop_stale_gradients": (
+        lambda: optax_accum.drop_stale_gradients(_adam(), 1), "dense", True, _adam,
+    ),
+    "drop_stale_accumulator": (
+        lambda: optax_accum.drop_stale_gradients(
+            optax_accum.conditional_accumulator(_adam(), 2), 1
+        ),
+        "dense", True, _adam,
+    ),
+    "agn": (lambda: optax_accum.agn(_adam(), 2), "dense", False, _adam),
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _gather(mode: str | None):
+    """FSDP's all-gather of a weight before use: explicit sharding asks for it by name;
+    auto sharding and one device leave it to the compiler."""
+    if mode == "explicit":
+        return lambda w: jax.sharding.reshard(w, P())
+    return lambda w: w
+
+
+def _dense_loss(params, batch, gather):
+    x, y, _ = batch
+    h = jnp.tanh(x @ gather(params["w"]))
+    return jnp.mean((h @ gather(params["v"]) + params["b"] - y) ** 2)
+
+
+def _dense_grads(params, batch, gather):
+    return jax.grad(_dense_loss)(params, batch, gather)
+
+
+def _sparse_grads(params, batch, gather):
+    """Row-sparse gradients of an embedding lookup: differentiate the gathered rows."""
+    _, y, ids = batch
+    rows = gather(params["emb"])[ids]
+
+    def loss(rows, b):
+        return jnp.mean((jnp.tanh(rows) + b - y) ** 2)
+
+    g_rows, g_b = jax.grad(loss, argnums=(0, 1))(rows, params["b"])
+    emb = optax_accum.IndexedSlices(ids, g_rows, params["emb"].shape)
+    return {"emb": emb, "b": g_b}
+
+
+def _params(kind: str) -> dict:
+    rng = np.random.default_rng(0)
+    if kind == "sparse":
+        return {"emb": rng.normal(size=(32, 4)), "b": rng.normal(size=(4,))}
+    return {
+        "w": rng.normal(size=(16, 8)) / 4,
+        "v": rng.normal(size=(8, 4)) / 3,
+        "b": rng.normal(size=(4,)),
+    }
+
+
+def _batches() -> list:
+    rng = np.random.default_rng(1)
+    return [
+        (rng.normal(size=(8, 16)), rng.normal(size=(8, 4)), rng.integers(0, 32, size=8))
+        for _ in range(STEPS)
+    ]
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+def _extra(takes_local_step: bool, opt_state, lag) -> dict:
+    if not takes_local_step:
+        return {}
+    return {"local_step": optax_accum.global_step(opt_state) - lag}
+
+
+def _canonical(tx, grads_fn, takes_tag, params, opt_state, batch, lag):
+    grads = grads_fn(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, **_extra(takes_tag, opt_state, lag))
+    return optax_accum.apply_updates(params, updates), opt_state
+
+
+def _fused(tx, grads_fn, takes_tag, params, opt_state, batch, lag):
+    grads = grads_fn(params, batch)
+    extra = _extra(takes_tag, opt_state, lag)
+    return optax_accum.apply_gradients(tx, grads, opt_state, params, **extra)
+
+
+PATTERNS = {"canonical": _canonical, "apply_gradients": _fused}
+
+
+def _placed(tree, specs, mesh):
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, tree)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def _init(tx, params, mode):
+    """The state as the guide says to make it: under auto sharding with the shardings
+    `state_shardings` derives; under explicit sharding `init` gives them itself."""
+    if mode == "auto":
+        return jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))(params)
+    return jax.jit(tx.init)(params)
+
+
+def _batch_on(batch, mesh):
+    x, y, ids = batch
+    if mesh is None:
+        return jnp.asarray(x), jnp.asarray(y), jnp.asarray(ids, jnp.int32)
+    data = NamedSharding(mesh, P("data"))
+    return (
+        jax.device_put(x, data),
+        jax.device_put(y, data),
+        jax.device_put(np.asarray(ids, np.int32), NamedSharding(mesh, P())),
+    )
+
+
+def _train(case: str, pattern: str, mode: str | None, bare: bool = False):
+    """8 steps of the case's transform (or its bare inner optimizer); returns the params,
+    the state and the compiled step."""
+    make, kind, takes_tag, make_bare = CASES[case]
+    tx = make_bare() if bare else make()
+    takes_tag = takes_tag and not bare
+    mesh = None if mode is None else _mesh(mode)
+    grads_fn = _sparse_grads if kind == "sparse" else _dense_grads
+    grads_fn = functools.partial(grads_fn, gather=_gather(mode))
+    specs = SPARSE_SPECS if kind == "sparse" else DENSE_SPECS
+    context = contextlib.nullcontext() if mesh is None else _compat.mesh_context(mesh)
+    with context:
+        params = _placed(_params(kind), specs, mesh)
+        state = _init(tx, params, mode)
+        step = jax.jit(
+            functools.partial(PATTERNS[pattern], tx, grads_fn, takes_tag), donate_argnums=(0, 1)
+        )
+        first = None
+        for batch, lag in zip(_batches(), LAGS, strict=True):
+            args = (params, state, _batch_on(batch, mesh), jnp.asarray(lag, jnp.int32))
+            if first is None:
+                first = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args
+                )
+                compiled = step.lower(*first).compile()
+            params, state = step(*args)
+    return params, state, compiled
+
+
+@functools.cache
+def _one_device(case: str, pattern: str):
+    with _compat.enable_x64():
+        params, state, _ = _train(case, pattern, None)
+        return jax.tree.map(np.asarray, (params, state))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _assert_close(got, want):
+    got = jax.tree.map(np.asarray, got)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+
+
+def _assert_laid_out_like_params(state, params):
+    """Param-shaped state leaves hold their param's shard on every device, per-row
+    counts of a dense leaf its rows' shard; scalars and the row buffers (looked up by
+    any row id) are replicated."""
+    by_shape = {p.shape: p for p in jax.tree.leaves(params)}
+    rows = {p.shape[:1]: p for p in jax.tree.leaves(params) if p.ndim >= 2}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        where = jax.tree_util.keystr(path)
+        if leaf.ndim == 0:
+            assert leaf.sharding.is_fully_replicated, where
+            continue
+        if leaf.shape in by_shape:
+            param = by_shape[leaf.shape]
+            assert leaf.sharding.devices_indices_map(leaf.shape) == (
+                param.sharding.devices_indices_map(param.shape)
+            ), (where, leaf.sharding, param.sharding)
+            shard = leaf.addressable_shards[0].data
+            assert shard.size == param.addressable_shards[0].data.size, where
+        elif leaf.shape in rows and not where.endswith(".slot_of"):
+            param = rows[leaf.shape]
+            want = param.addressable_shards[0].data.shape[0]
+            assert leaf.addressable_shards[0].data.shape[0] == want, (where, leaf.sharding)
+        else:
+            assert leaf.sharding.is_fully_replicated, (where, leaf.sharding)
+
+
+def _collectives(compiled) -> collections.Counter:
+    ops = instructions(compiled.as_text())
+    counts = collections.Counter()
+    for op in ops:
+        for kind in COLLECTIVES:
+            if op.opcode in (kind, f"{kind}-start"):
+                counts[kind] += 1
+    return counts
+
+
+@functools.cache
+def _bare_collectives(case: str, pattern: str, mode: str) -> collections.Counter:
+    with _compat.enable_x64():
+        *_, compiled = _train(case, pattern, mode, bare=True)
+        return _collectives(compiled)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharded_training_equals_one_device(case, pattern, mode):
+    params, state, compiled = _train(case, pattern, mode)
+    want_params, want_state = _one_device(case, pattern)
+    _assert_close(params, want_params)
+    _assert_close(state, want_state)
+    _assert_laid_out_like_params(state, params)
+    added = _collectives(compiled) - _bare_collectives(case, pattern, mode)
+    if case == "sparse_accumulator_rows" and mode == "auto":
+        # GSPMD computes the gradient's rows split over `data`; the replicated row
+        # buffer takes them whole: one all-gather of k rows, where the bare optimizer
+        # all-reduces its scattered update instead.
+        added -= collections.Counter({"all-gather": 1})
+    assert not added, f"collectives the bare inner optimizer does not run: {dict(added)}"
+
+
+def _update_step(tx, pattern, params, opt_state, grads):
+    if pattern == "apply_gradients":
+        return optax_accum.apply_gradients(tx, grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_sharded_held_step_copies_nothing_full_size(pattern, mode):
+    """tests/test_regression_guard.py's guard on the sharded step: the held step updates
+    every donated buffer in place."""
+    tx = CASES["conditional_accumulator"][0]()
+    mesh = _mesh(mode)
+    with _compat.mesh_context(mesh):
+        params = _placed(_params("dense"), DENSE_SPECS, mesh)
+        state = _init(tx, params, mode)
+        step = jax.jit(functools.partial(_update_step, tx, pattern), donate_argnums=(0, 1))
+        compiled = step.lower(params, state, params).compile()
+    ops = every_call(compiled.as_text())
+    counts = full_size_counts(ops)
+    copies = [op for op in ops if op.opcode == "copy" and op.size > 1]
+    assert not copies, f"arrays copied on every call: {copies}"
+    assert not set(counts) & set(COLLECTIVES), f"a held step communicates: {dict(counts)}"
