@@ -1,5 +1,5 @@
 """The docs: a Google-style docstring with a runnable example on every public name; a
-Sphinx build of docs/ (guide, semantics, versions, design notes, and an API reference
+Sphinx build of docs/ (guide, semantics, versions, design notes, porting, and an API reference
 that lists exactly `optax_accum.__all__`) without warnings;
 every Python block of the README and of docs/*.md runs and prints what its comment
 says; every link resolves to a file here or to an address confirmed to exist.
@@ -75,7 +75,7 @@ def test_sphinx_builds_the_docs_without_warnings(tmp_path):
     api = (tmp_path / "api.html").read_text()
     documented = re.findall(r'id="optax_accum\.(\w+)"', api)  # top level: methods have a dot
     assert sorted(documented) == sorted(optax_accum.__all__)  # every name once, nothing else
-    for page in ("guide", "semantics", "versions", "design"):
+    for page in ("guide", "semantics", "versions", "design", "porting"):
         assert (tmp_path / f"{page}.html").exists(), page
 
 
