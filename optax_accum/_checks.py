@@ -145,6 +145,15 @@ def require_bound_axis(axis_name: Any, *, argname: str = "axis_name") -> None:
         try:
             lax.axis_size(n)
         except NameError as e:  # JAX raises NameError for an unbound axis name.
+            if n in jax.sharding.get_abstract_mesh().axis_names:
+                raise ValueError(
+                    f"{argname}={axis_name!r} names an axis of the current mesh, but under "
+                    "plain jax.jit no axis is bound by name: jit's sharding already "
+                    "reduces over it (the gradient of a batch sharded over it is the whole "
+                    "batch's). Leave out the argument to accumulate or drop stale "
+                    "gradients under jit, or run the step inside jax.shard_map(..., "
+                    "mesh=mesh) to combine per-replica gradients by name"
+                ) from None
             raise ValueError(
                 f"{argname}={axis_name!r} is not bound here: call the update inside "
                 f"jax.pmap, jax.shard_map or jax.vmap with that axis name ({e})"

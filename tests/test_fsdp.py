@@ -325,3 +325,54 @@ def test_sharded_held_step_copies_nothing_full_size(pattern, mode):
     copies = [op for op in ops if op.opcode == "copy" and op.size > 1]
     assert not copies, f"arrays copied on every call: {copies}"
     assert not set(counts) & set(COLLECTIVES), f"a held step communicates: {dict(counts)}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_auto_sharded_init_never_holds_the_whole_state_on_one_device(case):
+    """Under auto sharding, `jax.jit(tx.init)` alone returns replicated state; with the
+    `out_shardings` that `state_shardings` derives, each device allocates its shards."""
+    make, kind, _, _ = CASES[case]
+    tx = make()
+    mesh = _mesh("auto")
+    with _compat.mesh_context(mesh):
+        params = _placed(_params(kind), SPARSE_SPECS if kind == "sparse" else DENSE_SPECS, mesh)
+        shardings = optax_accum.state_shardings(tx, params)
+        sharded = jax.jit(tx.init, out_shardings=shardings).lower(params).compile()
+        replicated = jax.jit(tx.init).lower(params).compile()
+        state = sharded(params)
+    leaves = jax.tree.leaves(state)
+    whole = sum(x.nbytes for x in leaves)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+    _assert_laid_out_like_params(state, params)
+    out = sharded.memory_analysis().output_size_in_bytes
+    assert out <= per_device + 64 * len(leaves)  # scalars may be padded
+    assert sharded.memory_analysis().temp_size_in_bytes <= max(whole - per_device, 1024)
+    if case != "sparse_accumulator_rows":  # its state mirrors no sharded param
+        assert per_device < whole / 2
+        assert replicated.memory_analysis().output_size_in_bytes > 2 * out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax_accum.cross_shard_optimizer(_adam(), "data"),
+        lambda: optax.chain(optax_accum.cross_shard("data"), _adam()),
+        lambda: optax_accum.conditional_accumulator(_adam(), 2, axis_name="data"),
+        lambda: optax_accum.agn(_adam(), 2, axis_name="fsdp"),
+    ],
+    ids=["cross_shard_optimizer", "cross_shard", "conditional_accumulator", "agn"],
+)
+def test_a_mesh_axis_name_under_plain_jit_says_what_to_do(make, mode):
+    """`axis_name` has no meaning under plain jit: the error names the argument and
+    points to jax.shard_map, never a deep JAX trace."""
+    tx = make()
+    mesh = _mesh(mode)
+    with _compat.mesh_context(mesh):
+        params = _placed(_params("dense"), DENSE_SPECS, mesh)
+        state = tx.init(params)
+        step = jax.jit(functools.partial(_update_step, tx, "canonical"))
+        with pytest.raises(ValueError, match=r"axis_name='\w+' names an axis of the current mesh"):
+            step(params, state, params)
+        with pytest.raises(ValueError, match=r"jax\.shard_map"):
+            step(params, state, params)
