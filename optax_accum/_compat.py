@@ -141,7 +141,8 @@ def leading_axis_sharding(x: Any) -> Any:
     if isinstance(concrete, jax.sharding.NamedSharding):
         mesh = concrete.mesh
     spec = sharding.spec
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0] if spec else None))
+    rows = (spec[0],) if len(spec) and jax.numpy.ndim(x) else ()
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*rows))
 
 
 def mesh_context(mesh: Any) -> contextlib.AbstractContextManager:
