@@ -4,8 +4,9 @@
 under `jax.distributed`): data-parallel runs on a 1-D mesh axis "i", and an FSDP run
 under `jax.jit` with explicit sharding on a (data=2, fsdp=4) mesh (`train_fsdp`). It
 returns every result as NumPy arrays on every process, and the shapes of the FSDP
-state's shards that this process holds. Run as a script, it joins a 2-process `jax.distributed` job on
-127.0.0.1 with gloo CPU collectives and writes the results to an .npz file:
+state's shards that this process holds. Run as a script, it joins a 2-process
+`jax.distributed` job on 127.0.0.1 with gloo CPU collectives and writes both to an
+.npz file (the shard shapes under keys starting with "shards "):
 
     python tests/multihost_worker.py PROCESS_ID PORT OUT.npz
 

@@ -99,7 +99,7 @@ def test_two_processes_end_with_the_single_process_parameters(tmp_path):
 
     _check_fsdp(per_process, expected)
     for d in loaded:
-        _check_fsdp_shards({k[len("shards ") :]: v for k, v in d.items() if k.startswith("shards ")})
+        _check_fsdp_shards({k[7:]: v for k, v in d.items() if k.startswith("shards ")})
 
 
 def _check_fsdp(per_process, expected):
