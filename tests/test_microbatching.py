@@ -7,7 +7,8 @@ steps of a window, dropping stale ones by their step tag. With SGD, each release
 update is then exactly the learning rate times the gradient of the window's full batch
 (every accepted step's examples together): this is checked on a (data=2, fsdp=4) mesh
 with FSDP-sharded params, under explicit and auto sharding, against a float64 NumPy
-reference.
+reference; and the micro-batched step keeps fewer temporaries per device than the
+same step taking its whole batch at once.
 
 Under explicit sharding, optax 0.2.8's `microbatch` compares version strings
 (`jax.__version__ < "0.7.0"`, true for "0.10.2") and so reshapes the batch as on an old
@@ -104,15 +105,14 @@ def _version(text: str) -> tuple[int, ...]:
 MISREADS_JAX = _version(optax.__version__) < (0, 2, 9) and jax.__version__ < "0.7.0"
 
 
-def _train(mode: str, auto_axes: bool = True):
-    """`len(LAGS)` steps; under explicit sharding, the micro-batched gradient runs
-    under `jax.sharding.auto_axes` unless `auto_axes` is False."""
-    mesh = _mesh(mode)
-
+def _step(mode: str, microbatch_size: int | None = MICRO, auto_axes: bool = True):
+    """The jitted train step and its transform. Under explicit sharding, the
+    micro-batched gradient runs under `jax.sharding.auto_axes` unless `auto_axes` is
+    False; `microbatch_size=None` takes the step's whole batch at once."""
     grad_fn = microbatching.microbatch(
         jax.grad(_loss),
         argnums=(1, 2),
-        microbatch_size=MICRO,
+        microbatch_size=microbatch_size,
         accumulator=microbatching.AccumulationType.MEAN,
     )
     tx = optax_accum.conditional_accumulator(optax.sgd(LR), NUM_REQUIRED)
@@ -128,14 +128,29 @@ def _train(mode: str, auto_axes: bool = True):
         updates, state = tx.update(grads, state, params, local_step=local_step)
         return optax_accum.apply_updates(params, updates), state
 
+    return step, tx
+
+
+def _place(mesh, params, tx):
+    params = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
+    state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))(params)
+    return params, state
+
+
+def _batch(mesh, x, y, lag):
+    data = NamedSharding(mesh, P("data"))
+    lag = jax.device_put(np.asarray(lag, np.int32), NamedSharding(mesh, P()))
+    return jax.device_put(x, data), jax.device_put(y, data), lag
+
+
+def _train(mode: str, auto_axes: bool = True):
+    """`len(LAGS)` steps on the mesh; returns the params and the state."""
+    mesh = _mesh(mode)
+    step, tx = _step(mode, auto_axes=auto_axes)
     with _compat.mesh_context(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in _params().items()}
-        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))(params)
-        data = NamedSharding(mesh, P("data"))
+        params, state = _place(mesh, _params(), tx)
         for (x, y), lag in zip(_batches(), LAGS, strict=True):
-            lag = jax.device_put(np.asarray(lag, np.int32), NamedSharding(mesh, P()))
-            batch = jax.device_put(x, data), jax.device_put(y, data)
-            params, state = step(params, state, *batch, lag)
+            params, state = step(params, state, *_batch(mesh, x, y, lag))
     return params, state
 
 
@@ -168,3 +183,21 @@ def test_microbatch_called_directly_under_explicit_sharding():
             _train("explicit", auto_axes=False)
         return
     _assert_equals_the_full_batch(*_train("explicit", auto_axes=False))
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_micro_batches_bound_the_step_temporaries(mode):
+    """A step of 256 examples, 4 at a time, keeps fewer temporary bytes per device
+    than the same step taking them all at once (the activations of one micro-batch)."""
+    mesh = _mesh(mode)
+    rng = np.random.default_rng(2)
+    params = {"w": rng.normal(size=(16, 64)), "v": rng.normal(size=(64, 4)), "b": np.zeros(4)}
+    x, y = rng.normal(size=(256, 16)), rng.normal(size=(256, 4))
+    temporaries = {}
+    for size in (MICRO, None):
+        step, tx = _step(mode, microbatch_size=size)
+        with _compat.mesh_context(mesh):
+            args = (*_place(mesh, params, tx), *_batch(mesh, x, y, 0))
+            compiled = step.lower(*args).compile()
+        temporaries[size] = compiled.memory_analysis().temp_size_in_bytes
+    assert temporaries[MICRO] * 2 < temporaries[None], temporaries
