@@ -112,11 +112,11 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
 
     Args:
       tx: the transformation whose state is wanted.
-      params: the params (arrays or `jax.ShapeDtypeStruct`s), each with a
+      params: the params (arrays or `jax.ShapeDtypeStruct` values), each with a
         `NamedSharding` on one mesh.
 
     Returns:
-      A tree of `NamedSharding`s on the params' mesh, shaped like the state.
+      A tree of `NamedSharding` objects on the params' mesh, shaped like the state.
 
     Raises:
       ValueError: when a param has no `NamedSharding`, or the params lie on several

@@ -1,9 +1,12 @@
-"""The data-parallel program that tests/test_multihost.py runs on 2 processes x 4 devices.
+"""The programs that tests/test_multihost.py runs on 2 processes x 4 devices.
 
 `program()` trains on whatever devices `jax.devices()` lists (all processes' devices
-under `jax.distributed`) with a 1-D mesh axis "i", and returns every result as NumPy
-arrays on every process. Run as a script, it joins a 2-process `jax.distributed` job on
-127.0.0.1 with gloo CPU collectives and writes the results to an .npz file:
+under `jax.distributed`): data-parallel runs on a 1-D mesh axis "i", and an FSDP run
+under `jax.jit` with explicit sharding on a (data=2, fsdp=4) mesh (`train_fsdp`). It
+returns every result as NumPy arrays on every process, and the shapes of the FSDP
+state's shards that this process holds. Run as a script, it joins a 2-process
+`jax.distributed` job on 127.0.0.1 with gloo CPU collectives and writes both to an
+.npz file (the shard shapes under keys starting with "shards "):
 
     python tests/multihost_worker.py PROCESS_ID PORT OUT.npz
 
@@ -12,6 +15,8 @@ The test runs the same `program()` in its own process on 8 devices and compares.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -21,16 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cases import adam
+from _cases import adam, lenient
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import _compat
 
 GROUPS = [[0, 3, 5, 6], [1, 2, 4, 7]]
 STEPS = 4
 PER_REPLICA = 4  # examples per replica per step
+FSDP_LAGS = (0, 0, 1, 0, 3, 0)  # how stale each FSDP step's gradient is
+FSDP_SPECS = {"w": P("fsdp", None), "v": P("fsdp", "data"), "b": P()}
 
 
 def _global(mesh: Mesh, data: np.ndarray, spec: P) -> jax.Array:
@@ -122,14 +130,83 @@ def train_per_replica(mesh: Mesh, tx: Any, loss: Callable, params: Any, xs, ys) 
     return params, state
 
 
+def _fsdp_tx() -> Any:
+    """Stale steps dropped whole (lag > 1), late ones (lag 1) by the accumulator."""
+    return optax_accum.drop_stale_gradients(
+        optax_accum.conditional_accumulator(lenient(optax.adam(0.05)), 2), 1
+    )
+
+
+def _fsdp_data() -> tuple[dict, list]:
+    rng = np.random.default_rng(2)
+    params = {
+        "w": rng.normal(size=(16, 8)) / 4,
+        "v": rng.normal(size=(8, 4)) / 3,
+        "b": rng.normal(size=(4,)),
+    }
+    batches = [(rng.normal(size=(8, 16)), rng.normal(size=(8, 4))) for _ in FSDP_LAGS]
+    return params, batches
+
+
+def train_fsdp(mesh: Mesh | None) -> tuple[Any, Any]:
+    """`len(FSDP_LAGS)` float64 steps of `_fsdp_tx()` under `jax.jit`; returns the
+    params and the state (global arrays on `mesh`, or on one device without one).
+
+    On `mesh` (explicit axes "data" and "fsdp"), each weight is split over `fsdp` (`v`
+    in 2-D, also over `data`), the bias replicated, the batch split over `data`;
+    every array is built from the same host data on every process, each process
+    keeping its own shards. The weights are all-gathered before use by name
+    (`jax.sharding.reshard`), as explicit sharding asks.
+    """
+    tx = _fsdp_tx()
+    params, batches = _fsdp_data()
+    if mesh is None:
+        place = lambda data, spec: jnp.asarray(data)  # noqa: E731
+        gather = lambda w: w  # noqa: E731
+    else:
+        place = functools.partial(_global, mesh)
+        gather = lambda w: jax.sharding.reshard(w, P())  # noqa: E731
+
+    def loss(params, x, y):
+        h = jnp.tanh(x @ gather(params["w"]))
+        return jnp.mean((h @ gather(params["v"]) + params["b"] - y) ** 2)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, x, y, lag):
+        grads = jax.grad(loss)(params, x, y)
+        local_step = optax_accum.global_step(state) - lag
+        updates, state = tx.update(grads, state, params, local_step=local_step)
+        return optax.apply_updates(params, updates), state
+
+    context = contextlib.nullcontext() if mesh is None else _compat.mesh_context(mesh)
+    with context:
+        params = {k: place(v, FSDP_SPECS[k]) for k, v in params.items()}
+        state = jax.jit(tx.init)(params)  # explicit sharding: laid out like the params
+        for (x, y), lag in zip(batches, FSDP_LAGS, strict=True):
+            data = P("data")
+            lag = place(np.asarray(lag, np.int32), P())
+            params, state = step(params, state, place(x, data), place(y, data), lag)
+    return params, state
+
+
+def shard_shapes(tree: Any) -> dict[str, np.ndarray]:
+    """For each leaf, the shapes of the shards this process holds (one row each)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {
+        jax.tree_util.keystr(path): np.array([s.data.shape for s in leaf.addressable_shards])
+        for path, leaf in flat
+    }
+
+
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
 
 
-def program() -> dict[str, np.ndarray]:
-    """Every training run of the multi-host test, on a 1-D mesh over all devices."""
+def program() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Every training run of the multi-host test, over all devices: the results (the
+    same on every process) and the FSDP params' and state's local shard shapes."""
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
     n = len(devices)
@@ -168,8 +245,15 @@ def program() -> dict[str, np.ndarray]:
     tx = optax_accum.cross_shard_optimizer(adam(0.05), "i", pack=True)
     params, _ = train_replicated(mesh, tx, mlp_loss, mlp, cx, cy)
     results["flax_mlp"] = params
-    flat, _ = jax.tree_util.tree_flatten_with_path(_to_numpy(results))
-    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+    explicit = (jax.sharding.AxisType.Explicit,) * 2  # by name: jax 0.8's default is Auto
+    fsdp_mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=explicit)
+    with _compat.enable_x64():
+        params, state = train_fsdp(fsdp_mesh)
+        layout = shard_shapes({"params": params, "state": state})
+        results["fsdp"] = {"params": params, "state": state}
+        flat, _ = jax.tree_util.tree_flatten_with_path(_to_numpy(results))
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}, layout
 
 
 def main(argv: list[str]) -> None:
@@ -184,8 +268,8 @@ def main(argv: list[str]) -> None:
         initialization_timeout=60,
     )
     assert jax.process_count() == 2 and len(jax.local_devices()) == 4, jax.devices()
-    results = program()
-    np.savez(out, **results)
+    results, layout = program()
+    np.savez(out, **results, **{f"shards {k}": v for k, v in layout.items()})
     jax.distributed.shutdown()
 
 

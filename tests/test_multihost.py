@@ -1,9 +1,14 @@
 """Two processes x 4 CPU devices (jax.distributed, gloo) end where one process x 8 does.
 
 The worker (tests/multihost_worker.py) runs cross_shard_optimizer with and without
-groups, the shared conditional_accumulator with stragglers, and a few steps of a small
-Flax model. Both processes must finish with the parameters this process computes for
-the same program on its 8 devices. The children are killed if anything goes wrong.
+groups, the shared conditional_accumulator with stragglers, a few steps of a small
+Flax model, and an FSDP run under `jax.jit` with explicit sharding on a (data=2,
+fsdp=4) mesh spanning both processes (drop_stale_gradients around a
+conditional_accumulator of Adam, with stale steps). Both processes must finish with
+the parameters this process computes for the same program on its 8 devices; the FSDP
+run must also equal the same steps on one device in float64, and each process must
+hold only its 4 shards of every param-shaped state leaf. The children are killed if
+anything goes wrong.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ import jax
 import multihost_worker
 import numpy as np
 
+from optax_accum import _compat
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
 TIMEOUT = 100  # seconds for both children together
+# The shard of each FSDP param on one device of the (data=2, fsdp=4) mesh.
+FSDP_SHARDS = {"w": (4, 8), "v": (2, 2), "b": (4,)}  # P("fsdp"), P("fsdp", "data"), P()
 
 
 def _free_port() -> int:
@@ -71,8 +80,9 @@ def _run_workers(tmp_path: Path) -> list[Path]:
 def test_two_processes_end_with_the_single_process_parameters(tmp_path):
     outs = _run_workers(tmp_path)
     assert len(jax.devices()) == 8
-    expected = multihost_worker.program()
-    per_process = [dict(np.load(p)) for p in outs]
+    expected, _ = multihost_worker.program()
+    loaded = [dict(np.load(p)) for p in outs]
+    per_process = [{k: v for k, v in d.items() if not k.startswith("shards ")} for d in loaded]
     for got in per_process:
         assert sorted(got) == sorted(expected)
         for key, value in expected.items():
@@ -86,3 +96,42 @@ def test_two_processes_end_with_the_single_process_parameters(tmp_path):
     for g in multihost_worker.GROUPS:  # replicas agree within a group, groups differ
         assert all(np.array_equal(groups[g[0]], groups[r]) for r in g)
     assert not np.allclose(groups[0], groups[1])
+
+    _check_fsdp(per_process, expected)
+    for d in loaded:
+        _check_fsdp_shards({k[7:]: v for k, v in d.items() if k.startswith("shards ")})
+
+
+def _check_fsdp(per_process, expected):
+    """The FSDP run on 2 processes equals the same steps on one device (float64)."""
+    with _compat.enable_x64():
+        params, state = multihost_worker.train_fsdp(None)
+    flat, _ = jax.tree_util.tree_flatten_with_path({"params": params, "state": state})
+    one_device = {f"['fsdp']{jax.tree_util.keystr(p)}": np.asarray(v) for p, v in flat}
+    assert sorted(one_device) == sorted(k for k in expected if k.startswith("['fsdp']"))
+    for got in per_process:
+        for key, value in one_device.items():
+            assert got[key].dtype == value.dtype, key
+            np.testing.assert_allclose(got[key], value, rtol=1e-9, atol=1e-12, err_msg=key)
+    # The run drops the lag-3 step whole; the accumulator releases twice (an Adam
+    # step each) from the 5 it is given, and holds the last.
+    state = "['fsdp']['state']"
+    assert one_device[f"{state}.num_dropped"] == 1
+    assert one_device[f"{state}.inner_state.global_step"] == 2
+    assert one_device[f"{state}.inner_state.count"] == 1
+
+
+def _check_fsdp_shards(shapes):
+    """Each process holds 4 shards of every FSDP param and param-shaped state leaf,
+    each of the param's shard shape; the state's scalars are replicated."""
+    mirrored = dict.fromkeys(FSDP_SHARDS, 0)
+    for key, rows in shapes.items():
+        name = key.rsplit("['", 1)[1][:-2] if key.endswith("']") else None
+        assert rows.shape[0] == 4, (key, rows)
+        if name in FSDP_SHARDS:
+            assert {tuple(r) for r in rows} == {FSDP_SHARDS[name]}, (key, rows)
+            mirrored[name] += 1
+        else:
+            assert rows.shape[1] == 0, (key, rows)  # a scalar: shape () on every device
+    # The param, the accumulator's sum and Adam's two moments, at least.
+    assert all(count >= 4 for count in mirrored.values()), mirrored
