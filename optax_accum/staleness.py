@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _state_tree
+from optax_accum import _branch, _checks, _counters, _extra_args, _state_tree
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -143,7 +143,7 @@ def drop_stale_gradients(
       >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
       0.333
     """
-    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    inner = _extra_args.forward_to("inner", inner)
     staleness = _check_staleness(staleness)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
 
@@ -166,6 +166,7 @@ def drop_stale_gradients(
         **extra_args: Any,
     ) -> tuple[optax.Updates, DropStaleGradientsState]:
         _checks.require_state(state, DropStaleGradientsState)
+        _extra_args.warn_misspelled(extra_args)
         step = _counters.local_step_or(local_step, state.global_step)
         accept = _within(_lag(state.global_step, step), staleness)
         if axis_name is not None:
