@@ -8,6 +8,8 @@ by its type, inside whatever the user holds (the transform's own state, an
 of them, a batch of states made under `jax.vmap`), so `global_step(opt_state)` works
 without knowing how the optimizer was composed. `num_accumulated` finds the outermost
 state that keeps a count, so it looks through `drop_stale_gradients`, which keeps none.
+`cross_shard_optimizer` keeps no counter. The arrays they return are copies, safe to
+pass into a jitted step that donates the state they came from.
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ def global_step(state: Any) -> jax.Array:
       it may be passed as `local_step` to a jitted step that donates `state`.
 
     Raises:
-      ValueError: when `state` holds no optax_accum step state.
+      ValueError: when `state` holds no optax_accum step state: that of
+        `conditional_accumulator`, `sparse_conditional_accumulator`,
+        `drop_stale_gradients` or `agn`. `cross_shard_optimizer` and `cross_shard` keep
+        no counter (every step is an update): count the steps instead, as
+        `TrainState.step` and `NNXOptimizer.step` do.
 
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
