@@ -51,16 +51,27 @@ def local_step_or(local_step: Any, default: jax.Array, *, argname: str = "local_
     """
     if local_step is None:
         return default
-    dtype = _integer_scalar_dtype(local_step, argname)
+    _integer_scalar_dtype(local_step, argname)
     # Saturate wider integers instead of wrapping: a step from the far future must stay
     # in the future (NumPy int64 scalars and 0-d arrays, and int64 arrays under x64).
-    if isinstance(local_step, int | np.integer | np.ndarray):
-        local_step = int(np.clip(int(local_step), np.iinfo(np.int32).min, _INT32_MAX))
-    elif dtype.itemsize > 4 or (dtype.itemsize == 4 and jnp.issubdtype(dtype, jnp.unsignedinteger)):
-        info = jnp.iinfo(dtype)
-        low, high = max(info.min, np.iinfo(np.int32).min), _INT32_MAX
-        local_step = jnp.clip(local_step, np.asarray(low, dtype), np.asarray(high, dtype))
-    return jnp.asarray(local_step).astype(jnp.int32)
+    return saturate_int32(local_step)
+
+
+def saturate_int32(value: Any) -> jax.Array:
+    """An integer scalar (Python, NumPy or JAX, traced is fine) as int32, clipped to the
+    int32 range instead of wrapping: a Python int beyond it would be an OverflowError
+    inside JAX, an int64 or uint32 array would wrap."""
+    if isinstance(value, int | np.integer | np.ndarray):
+        value = int(np.clip(int(value), np.iinfo(np.int32).min, _INT32_MAX))
+    else:
+        dtype = jnp.result_type(value)
+        if dtype.itemsize > 4 or (
+            dtype.itemsize == 4 and jnp.issubdtype(dtype, jnp.unsignedinteger)
+        ):
+            info = jnp.iinfo(dtype)
+            low, high = max(info.min, np.iinfo(np.int32).min), _INT32_MAX
+            value = jnp.clip(value, np.asarray(low, dtype), np.asarray(high, dtype))
+    return jnp.asarray(value).astype(jnp.int32)
 
 
 def _integer_scalar_dtype(value: Any, argname: str) -> np.dtype:
@@ -78,8 +89,8 @@ def _integer_scalar_dtype(value: Any, argname: str) -> np.dtype:
 def num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Array]:
     """Validates `num_required` and returns it as a function of the global step.
 
-    A schedule's value is checked to be an integer at trace time and clipped to at
-    least 1.
+    A schedule's value is checked to be an integer at trace time and clipped to
+    [1, int32 max]: a value of 2**31 or more saturates (never wraps, never overflows).
     """
     if callable(num_required):
 
@@ -90,7 +101,7 @@ def num_required_fn(num_required: NumRequired) -> Callable[[jax.Array], jax.Arra
                     "num_required: a schedule must return an integer, "
                     f"got {jnp.result_type(k)} for step {step}"
                 )
-            return jnp.maximum(jnp.asarray(k).astype(jnp.int32), 1)
+            return jnp.maximum(saturate_int32(k), 1)
 
         return scheduled
     k = _checks.require_positive_int("num_required", num_required)

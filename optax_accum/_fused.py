@@ -89,7 +89,8 @@ def fused_step(
     **extra_args: Any,
 ) -> tuple[optax.Params, optax.OptState, optax.Updates]:
     """`tx.update` then `apply_updates`, fused; returns `(params, opt_state, updates)`."""
-    tx = optax.with_extra_args_support(_checks.require_transformation("tx", tx))
+    # As the canonical step: a `tx` that cannot take the extra arguments raises.
+    tx = _checks.require_transformation("tx", tx)
     with fused_apply(params) as sink:
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     new_params = sink.params_for(updates)

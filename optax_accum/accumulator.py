@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _sums
+from optax_accum import _branch, _checks, _counters, _extra_args, _sums
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -130,7 +130,7 @@ def conditional_accumulator(
       >>> int(optax_accum.global_step(state)), int(state.num_dropped)
       (1, 1)
     """
-    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    inner = _extra_args.forward_to("inner", inner)
     required = _counters.num_required_fn(num_required)
     mean = _checks.canonical_reduction(reduction) == "mean"
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
@@ -159,6 +159,7 @@ def conditional_accumulator(
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
         _checks.require_state(state, ConditionalAccumulatorState)
+        _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
         step = _counters.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step

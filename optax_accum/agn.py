@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _sums
+from optax_accum import _branch, _checks, _counters, _extra_args, _sums
 
 _COMMITS = ("gradients", "delta")
 
@@ -172,7 +172,7 @@ def agn(
       >>> float(state.centre[0])  # 1 - 0.1 * (1 + 2 + 3) / 3
       0.8
     """
-    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    inner = _extra_args.forward_to("inner", inner)
     period = _checks.require_positive_int("communication_period", communication_period)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
     commit = _canonical_commit(commit)
@@ -181,7 +181,7 @@ def agn(
         _checks.require_transformation("outer", outer, optional=True)
     if outer is None:
         outer = optax.sgd(1.0) if delta else inner
-    outer = optax.with_extra_args_support(outer)
+    outer = _extra_args.forward_to("outer", outer)
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
 
@@ -223,6 +223,7 @@ def agn(
                 "current (local) parameters, got params=None"
             )
         _checks.require_state(state, AGNState)
+        _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.centre, what="updates")
         _checks.check_tree_matches(params, state.centre, what="params")
         if axis_name is not None:

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _collectives, _compat
+from optax_accum import _checks, _collectives, _compat, _extra_args
 
 
 def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
@@ -166,6 +166,7 @@ def cross_shard(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.EmptyState]:
+        _extra_args.warn_misspelled(extra_args)
         del params, extra_args
         _checks.require_bound_axis(axis_name)
         if groups is not None:
@@ -236,7 +237,7 @@ def cross_shard_optimizer(
             communication_dtype=communication_dtype,
             pack=pack,
         ),
-        optax.with_extra_args_support(inner),
+        _extra_args.forward_to("inner", inner),
     )
 
 

@@ -6,6 +6,8 @@ argument of an `optax.GradientTransformationExtraArgs`) cannot reach an optax_ac
 transform, and it applies zero updates to every parameter on every held step.
 `TrainState` is a drop-in subclass that forwards extra arguments and steps with
 `optax_accum.apply_gradients`. `NNXOptimizer` does the same for `flax.nnx.Optimizer`.
+Both pass the extra arguments to `tx.update` as the canonical optax step does: a `tx`
+whose `update` cannot take them raises that step's TypeError.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class TrainState(train_state.TrainState):
           grads: gradients with the structure of `params` (as in Flax, a
             `{"params": ..., "_overwrite_with_gradient": ...}` split is honoured).
           **kwargs: keywords naming a field of this state replace that field; all
-            others (e.g. `local_step`) are passed to `tx.update`.
+            others (e.g. `local_step`) are passed to `tx.update`, as the canonical
+            step passes them (a `tx` whose `update` takes none raises TypeError).
 
         Returns:
           A new state with `step` incremented, `params` and `opt_state` updated, and

@@ -18,7 +18,16 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _collectives, _compat, _counters, _row_ids, _sums
+from optax_accum import (
+    _branch,
+    _checks,
+    _collectives,
+    _compat,
+    _counters,
+    _extra_args,
+    _row_ids,
+    _sums,
+)
 from optax_accum.indexed_slices import IndexedSlices
 
 
@@ -590,7 +599,7 @@ def sparse_conditional_accumulator(
       >>> optax_accum.apply_updates(table, u)[:, 0].tolist()
       [-0.5, 0.0, 0.0, 0.0, -3.0]
     """
-    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    inner = _extra_args.forward_to("inner", inner)
     required = _counters.num_required_fn(num_required)
     capacity = _checks.require_positive_int("capacity", capacity)
     mean = _checks.canonical_reduction(reduction) == "mean"
@@ -628,6 +637,7 @@ def sparse_conditional_accumulator(
         **extra_args: Any,
     ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
         _checks.require_state(state, SparseConditionalAccumulatorState)
+        _extra_args.warn_misspelled(extra_args)
         _check_updates(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
         fresh = step >= state.global_step

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _state_tree
+from optax_accum import _branch, _checks, _counters, _extra_args, _state_tree
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -46,11 +46,18 @@ class DropStaleGradientsState(NamedTuple):
 
 
 def _check_staleness(staleness: Any) -> Any:
-    """Python numbers must be ints; arrays (traced, or from inject_hyperparams) pass."""
-    if isinstance(staleness, bool | float | complex | str):
+    """Python ints must fit in int32; a Python float s is the int floor(s) (the lag is
+    an integer, so `lag <= s` iff `lag <= floor(s)`), saturated to int32; NumPy integer
+    arrays saturate to int32; other arrays (traced, or from inject_hyperparams) pass."""
+    if isinstance(staleness, bool | complex | str):
         raise TypeError(
-            f"staleness must be an int (or an int/float scalar array), got {staleness!r}"
+            f"staleness must be an int or a float (or an int/float scalar array), got {staleness!r}"
         )
+    if isinstance(staleness, float | np.floating):
+        if np.isnan(staleness):
+            raise ValueError(f"staleness must be a number, got {staleness!r}")
+        info = np.iinfo(np.int32)
+        return int(np.clip(np.floor(staleness), info.min, info.max))
     if isinstance(staleness, int | np.integer):
         info = np.iinfo(np.int32)
         if not info.min <= staleness <= info.max:
@@ -60,6 +67,9 @@ def _check_staleness(staleness: Any) -> Any:
         return int(staleness)
     if not hasattr(staleness, "dtype") or jnp.ndim(staleness) != 0:
         raise TypeError(f"staleness must be a scalar, got {staleness!r}")
+    if isinstance(staleness, np.ndarray) and jnp.issubdtype(staleness.dtype, jnp.integer):
+        # Saturate here: JAX without x64 would cast an int64 array to int32 by wrapping.
+        return int(_counters.saturate_int32(staleness))
     return staleness
 
 
@@ -117,7 +127,9 @@ def drop_stale_gradients(
     Args:
       inner: the optimizer applied to accepted gradients.
       staleness: the largest accepted gap between the global step and `local_step`:
-        a Python int, or an int or float scalar array (traced is fine).
+        a Python int or float, or an int or float scalar array (traced is fine). The
+        gap is an integer, so a float `s` accepts the gaps up to `floor(s)`; values
+        beyond int32 in an array saturate.
       axis_name: optional name (or tuple of names) of a mapped axis whose replicas
         decide together.
 
@@ -126,7 +138,7 @@ def drop_stale_gradients(
       `DropStaleGradientsState`.
 
     Raises:
-      TypeError: at construction for a `staleness` that is not an int or a scalar
+      TypeError: at construction for a `staleness` that is not a number or a scalar
         array; at trace time for a non-integer or non-scalar `local_step`.
       ValueError: at trace time, when `axis_name` is not bound by the caller.
 
@@ -143,7 +155,7 @@ def drop_stale_gradients(
       >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
       0.333
     """
-    inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
+    inner = _extra_args.forward_to("inner", inner)
     staleness = _check_staleness(staleness)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
 
@@ -166,6 +178,7 @@ def drop_stale_gradients(
         **extra_args: Any,
     ) -> tuple[optax.Updates, DropStaleGradientsState]:
         _checks.require_state(state, DropStaleGradientsState)
+        _extra_args.warn_misspelled(extra_args)
         step = _counters.local_step_or(local_step, state.global_step)
         accept = _within(_lag(state.global_step, step), staleness)
         if axis_name is not None:

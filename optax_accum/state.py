@@ -8,6 +8,8 @@ by its type, inside whatever the user holds (the transform's own state, an
 of them, a batch of states made under `jax.vmap`), so `global_step(opt_state)` works
 without knowing how the optimizer was composed. `num_accumulated` finds the outermost
 state that keeps a count, so it looks through `drop_stale_gradients`, which keeps none.
+`cross_shard_optimizer` keeps no counter. The arrays they return are copies, safe to
+pass into a jitted step that donates the state they came from.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def _step_state(state: Any, field: str) -> Any:
     )
 
 
+def _own_buffer(value: Any) -> Any:
+    """`value` in a buffer of its own, so it may be passed to a jitted step that donates
+    the state it came from (TF1's `apply_gradients(..., local_step=global_step)`):
+    handing back the state's own buffer would be "a buffer that was previously donated".
+    Under tracing (jit, vmap, grad) a value has no buffer, and is returned as it is."""
+    if isinstance(value, jax.core.Tracer):
+        return value
+    return jnp.copy(value)
+
+
 def global_step(state: Any) -> jax.Array:
     """The global step of the outermost optax_accum transform in `state`.
 
@@ -72,10 +84,15 @@ def global_step(state: Any) -> jax.Array:
         chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict).
 
     Returns:
-      An int32 scalar (an array of them for a batched state).
+      An int32 scalar (an array of them for a batched state), in a buffer of its own:
+      it may be passed as `local_step` to a jitted step that donates `state`.
 
     Raises:
-      ValueError: when `state` holds no optax_accum step state.
+      ValueError: when `state` holds no optax_accum step state: that of
+        `conditional_accumulator`, `sparse_conditional_accumulator`,
+        `drop_stale_gradients` or `agn`. `cross_shard_optimizer` and `cross_shard` keep
+        no counter (every step is an update): count the steps instead, as
+        `TrainState.step` and `NNXOptimizer.step` do.
 
     Example:
       >>> import optax, optax_accum, jax.numpy as jnp
@@ -84,7 +101,7 @@ def global_step(state: Any) -> jax.Array:
       >>> int(optax_accum.global_step(state))
       0
     """
-    return _step_state(state, "global_step").global_step
+    return _own_buffer(_step_state(state, "global_step").global_step)
 
 
 def num_accumulated(state: Any) -> jax.Array:
@@ -103,7 +120,8 @@ def num_accumulated(state: Any) -> jax.Array:
 
     Returns:
       An int32 scalar: the gradients accepted since the last release (for `agn`, the
-        local steps of this round).
+        local steps of this round), in a buffer of its own (safe beside a donated
+        `state`).
 
     Raises:
       ValueError: when `state` holds no optax_accum state that keeps a count (only
@@ -117,7 +135,7 @@ def num_accumulated(state: Any) -> jax.Array:
       >>> int(optax_accum.num_accumulated(state))
       1
     """
-    return _step_state(state, "count").count
+    return _own_buffer(_step_state(state, "count").count)
 
 
 def has_updated(state: Any) -> jax.Array:
@@ -132,7 +150,8 @@ def has_updated(state: Any) -> jax.Array:
 
     Returns:
       A bool scalar: True when the last `update` released (for `drop_stale_gradients`,
-        accepted; for `agn`, synchronised).
+        accepted; for `agn`, synchronised), in a buffer of its own (safe beside a
+        donated `state`).
 
     Raises:
       ValueError: when `state` holds no optax_accum step state.
@@ -145,7 +164,7 @@ def has_updated(state: Any) -> jax.Array:
       >>> bool(optax_accum.has_updated(state))
       True
     """
-    return _step_state(state, "emitted").emitted
+    return _own_buffer(_step_state(state, "emitted").emitted)
 
 
 def set_global_step(state: Any, new_global_step: Any) -> Any:

@@ -46,14 +46,17 @@ def apply_gradients(
       grads: the gradients, with the structure of `params`.
       opt_state: the state of `tx`.
       params: the parameters.
-      **extra_args: passed to `tx.update`, e.g. `local_step`.
+      **extra_args: passed to `tx.update`, e.g. `local_step`, as the canonical step
+        passes them: through `optax.MultiSteps`, `optax.chain` and
+        `optax.inject_hyperparams` to every optax_accum transform inside.
 
     Returns:
       The pair `(params, opt_state)` after the step.
 
     Raises:
-      TypeError: when `tx` is not an optax transformation; otherwise what `tx.update`
-        raises for bad gradients.
+      TypeError: when `tx` is not an optax transformation, or (as in the canonical
+        step) when its `update` takes no extra arguments and some are given (e.g.
+        `optax.lookahead`'s); otherwise what `tx.update` raises for bad gradients.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optax_accum

@@ -27,16 +27,22 @@ import optax_accum
 
 BAD: list[Bad] = [
     Bad(
-        "drop_stale/staleness=1.5",
-        lambda: optax_accum.drop_stale_gradients(SGD, 1.5),
+        "drop_stale/staleness=True",
+        lambda: optax_accum.drop_stale_gradients(SGD, True),
         TypeError,
-        r"staleness must be an int \(or an int/float scalar array\), got 1\.5",
+        r"staleness must be an int or a float \(or an int/float scalar array\), got True",
+    ),
+    Bad(
+        "drop_stale/staleness=nan",
+        lambda: optax_accum.drop_stale_gradients(SGD, float("nan")),
+        ValueError,
+        r"staleness must be a number, got nan",
     ),
     Bad(
         "drop_stale/staleness='1'",
         lambda: optax_accum.drop_stale_gradients(SGD, "1"),
         TypeError,
-        r"staleness must be an int \(or an int/float scalar array\), got '1'",
+        r"staleness must be an int or a float \(or an int/float scalar array\), got '1'",
     ),
     Bad(
         "drop_stale/staleness vector",

@@ -223,3 +223,39 @@ def test_train_state_drops_stale_gradient_in_a_real_linen_model():
     assert int(optax_accum.global_step(state.opt_state)) == 1
     assert int(state.opt_state.num_dropped) == 1
     assert float(loss(state.params)) < float(loss(params))
+
+
+def test_train_state_donated_step_takes_global_step_as_the_tag():
+    """TF1's `local_step=global_step` in a step that donates the TrainState: the tag
+    read from the state must not be one of the donated buffers."""
+    tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+    state = optax_accum.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+    step = jax.jit(lambda s, g, ls: s.apply_gradients(grads=g, local_step=ls), donate_argnums=0)
+    grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
+    for i, g in enumerate(grads):
+        tag = optax_accum.global_step(state.opt_state)
+        state = step(state, g, tag - 1 if i == 1 else tag)  # the second one is stale
+    # Released once, the mean of the first and third gradients.
+    np.testing.assert_allclose(np.asarray(state.params, np.float64), [-3.0, -4.0])
+    assert int(optax_accum.global_step(state.opt_state)) == 1
+    assert int(state.opt_state.num_dropped) == 1
+
+
+def test_nnx_optimizer_step_takes_global_step_as_the_tag():
+    """`optimizer.update(model, grads, local_step=global_step(optimizer.opt_state))`."""
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    before = np.asarray(model.kernel[...], np.float64)
+    tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+    optimizer = optax_accum.NNXOptimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, tag):
+        grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(model)
+        optimizer.update(model, grads, local_step=tag)
+
+    for i in range(3):
+        tag = optax_accum.global_step(optimizer.opt_state)
+        step(model, optimizer, tag - 1 if i == 1 else tag)
+    # d sum(x @ k + b) / dk = 1 for x = ones: one release of the mean gradient 1.
+    np.testing.assert_allclose(np.asarray(model.kernel[...], np.float64), before - 1.0)
+    assert int(optax_accum.global_step(optimizer.opt_state)) == 1

@@ -312,3 +312,97 @@ def test_integer_params_are_refused_at_init(make, dtype):
     params = {"w": jnp.zeros(3), "steps": jnp.zeros(2, dtype)}
     with pytest.raises(TypeError, match=r"params\['steps'\] must be floating"):
         make().init(params)
+
+
+@pytest.mark.parametrize(
+    "staleness, local_step, accepted",
+    [
+        (np.array(2**40), -5, True),  # cast to int32 it would wrap to 0: dropped
+        (np.array(2**32 + 1, np.int64), -5, True),  # would wrap to 1
+        (np.array(-(2**40)), 100, False),  # saturates at int32 min: drops even lag 0
+        (np.array(2**31, np.uint32), -5, True),  # would wrap to int32 min
+    ],
+    ids=["int64-2**40", "int64-2**32+1", "int64-minus-2**40", "uint32-2**31"],
+)
+def test_numpy_staleness_beyond_int32_saturates_without_x64(staleness, local_step, accepted):
+    """A NumPy integer array, given while JAX runs in 32 bits, saturates as a JAX
+    array does under x64."""
+    tx = optax_accum.drop_stale_gradients(SGD, staleness)
+    state = _at(tx.init(jnp.zeros(2)), global_step=100)
+    _, state = jax.jit(lambda s: tx.update(jnp.ones(2), s, local_step=local_step))(state)
+    assert bool(state.emitted) is accepted
+
+
+@pytest.mark.parametrize(
+    "staleness, accepted_lags",
+    [(1.5, [0, 1]), (0.0, [0]), (-0.5, []), (2.999, [0, 1, 2]), (float("inf"), [0, 1, 2, 3])],
+)
+def test_a_python_float_staleness_is_accepted_like_a_float_array(staleness, accepted_lags):
+    """The lag is an integer, so a float staleness s accepts the lags up to floor(s),
+    exactly as the same value in a float32 array does."""
+    for value in (staleness, jnp.float32(staleness)):
+        tx = optax_accum.drop_stale_gradients(SGD, value)
+        update = jax.jit(lambda s, ls, tx=tx: tx.update(jnp.ones(2), s, local_step=ls)[1])
+        got = [
+            lag
+            for lag in range(4)
+            if bool(update(_at(tx.init(jnp.zeros(2)), global_step=10), 10 - lag).emitted)
+        ]
+        assert got == accepted_lags, value
+
+
+def _uint32_beyond(step):
+    return jnp.where(step >= 0, jnp.uint32(2**32 - 1), jnp.uint32(2))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        lambda step: 2**31,  # a Python int: OverflowError inside JAX
+        lambda step: 2**40,
+        lambda step: np.int64(2**40),
+        lambda step: np.array(2**33, np.int64),
+        _uint32_beyond,  # would wrap to -1, clipped to 1: a release on every step
+        lambda step: jnp.where(step >= 0, jnp.uint32(2**31), jnp.uint32(2)),
+    ],
+    ids=[
+        "python-2**31",
+        "python-2**40",
+        "numpy-int64",
+        "numpy-int64-array",
+        "uint32-max",
+        "uint32-2**31",
+    ],
+)
+def test_a_num_required_schedule_beyond_int32_saturates(schedule):
+    """A release needs int32-max gradients: three gradients are held, none released."""
+    for make in (
+        lambda: optax_accum.conditional_accumulator(SGD, schedule),
+        lambda: optax_accum.sparse_conditional_accumulator(SGD, schedule, capacity=2),
+    ):
+        tx = make()
+        step = jax.jit(lambda s, tx=tx: tx.update(jnp.ones(2), s)[1])
+        state = tx.init(jnp.zeros(2))
+        for _ in range(3):
+            state = step(state)
+        assert int(optax_accum.global_step(state)) == 0
+        assert int(optax_accum.num_accumulated(state)) == 3
+
+
+def test_a_num_required_schedule_beyond_int32_under_x64_saturates():
+    with jax.enable_x64(True):
+        tx = optax_accum.conditional_accumulator(
+            SGD, lambda step: jnp.int64(2**40) + step.astype(jnp.int64)
+        )
+        state = tx.init(jnp.zeros(2))
+        state = jax.jit(lambda s: tx.update(jnp.ones(2), s)[1])(state)
+    assert int(optax_accum.global_step(state)) == 0
+    assert int(optax_accum.num_accumulated(state)) == 1
+
+
+def test_a_num_required_schedule_at_int32_max_is_int32_max():
+    from optax_accum import _counters
+
+    required = _counters.num_required_fn(lambda step: 2**40)
+    assert int(jax.jit(required)(jnp.int32(0))) == MAX
+    assert int(_counters.num_required_fn(lambda step: -(2**40))(jnp.int32(0))) == 1

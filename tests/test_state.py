@@ -161,3 +161,58 @@ def test_bad_batched_steps_are_clear_errors(steps, error, match):
     _, state = _batched()
     with pytest.raises(error, match=match):
         optax_accum.set_global_step(state, steps)
+
+
+# --------------------------------------------------------------------------- donation
+
+ACCESSORS = {
+    "global_step": optax_accum.global_step,
+    "num_accumulated": optax_accum.num_accumulated,
+    "has_updated": optax_accum.has_updated,
+}
+
+# One of each stateful transform, and an accumulator inside cross_shard_optimizer.
+STATEFUL = {
+    "conditional_accumulator": lambda: _accumulator(),
+    "sparse_conditional_accumulator": lambda: optax_accum.sparse_conditional_accumulator(
+        optax.sgd(1.0), 3, capacity=2
+    ),
+    "drop_stale_gradients(accumulator)": lambda: _drop_stale(_accumulator()),
+    "agn": lambda: optax_accum.agn(optax.sgd(1.0), 3),
+    "cross_shard_optimizer(accumulator)": lambda: optax_accum.cross_shard_optimizer(
+        _accumulator(), "i"
+    ),
+}
+
+
+@pytest.mark.parametrize("accessor", list(ACCESSORS))
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_an_accessor_result_can_go_into_a_step_that_donates_the_state(name, accessor):
+    """TF1's `apply_gradients(..., local_step=global_step)`: the value read from the
+    state goes into the same jitted call that donates the state. Handing back the
+    state's own buffer fails there ("a buffer that was previously donated")."""
+    state = STATEFUL[name]().init(jnp.zeros(2))
+    value = ACCESSORS[accessor](state)
+    expected = np.asarray(value)
+    step = jax.jit(lambda s, v: (s, v + jnp.zeros((), v.dtype)), donate_argnums=0)
+    state, got = step(state, value)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    np.testing.assert_array_equal(np.asarray(value), expected)  # still readable
+
+
+@pytest.mark.parametrize("accessor", list(ACCESSORS))
+def test_accessors_work_under_jit_and_vmap(accessor):
+    tx = _accumulator()
+    batched = jax.vmap(tx.init)(jnp.zeros((3, 2)))
+    batched = jax.vmap(lambda s: tx.update(jnp.ones(2), s)[1])(batched)
+    want = np.asarray(ACCESSORS[accessor](batched))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(ACCESSORS[accessor])(batched)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(ACCESSORS[accessor])(batched)), want)
+    assert want.shape == (3,)
+
+
+def test_the_accessors_say_which_states_answer():
+    """cross_shard_optimizer keeps no counter: its state alone has no global step."""
+    tx = optax_accum.cross_shard_optimizer(optax.sgd(1.0), "i")
+    with pytest.raises(ValueError, match="state holds no optax_accum step state"):
+        optax_accum.global_step(tx.init(jnp.zeros(2)))

@@ -188,3 +188,58 @@ def test_the_release_branch_applies_the_updates_unless_something_follows(case, w
     else:
         jax.eval_shape(probe, case.params(), step_inputs(case, 0, ()))
     assert found == [wrapper != "followed_by_scale"]
+
+
+# --------------------------------------------------------------------------- donated steps
+
+
+def _readme_loop(tx, train_step, params, opt_state):
+    """README.md's Quick start loop: TF1's `local_step=global_step`, every third stale."""
+    x, y = jnp.ones((8, 3)), jnp.ones((8, 1))
+    for i in range(10):
+        local_step = optax_accum.global_step(opt_state)  # TF1: local_step=global_step
+        if i % 3 == 2:  # a straggler's gradient, computed one step earlier: dropped
+            local_step -= 1
+        params, opt_state = train_step(params, opt_state, x, y, local_step)
+    return params, opt_state
+
+
+def _readme_loss(params, x, y):
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+
+def _apply_gradients_step(tx):
+    def train_step(params, opt_state, x, y, local_step):
+        grads = jax.grad(_readme_loss)(params, x, y)
+        return optax_accum.apply_gradients(tx, grads, opt_state, params, local_step=local_step)
+
+    return train_step
+
+
+def _canonical_step(tx):
+    def train_step(params, opt_state, x, y, local_step):
+        grads = jax.grad(_readme_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params, local_step=local_step)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step
+
+
+@pytest.mark.parametrize("make_step", [_apply_gradients_step, _canonical_step])
+def test_the_readme_donated_step_takes_global_step_as_the_tag(make_step):
+    """README.md's Quick start: params and state donated, each gradient tagged with
+    `optax_accum.global_step(opt_state)`. The tag must not be a buffer of the donated
+    state ("Attempt to use a buffer that was previously donated"), and the donated run
+    ends where an undonated one does."""
+    tx = optax_accum.conditional_accumulator(optax.adam(1e-2), num_required=4)
+    step = make_step(tx)
+    ends = []
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict-clean
+        for donate in ((0, 1), ()):
+            params = {"w": jnp.zeros((3, 1))}
+            train_step = jax.jit(step, donate_argnums=donate)
+            ends.append(_readme_loop(tx, train_step, params, tx.init(params)))
+    (params, opt_state), (want_params, want_state) = ends
+    assert int(optax_accum.global_step(opt_state)) == 1 and int(opt_state.num_dropped) == 3
+    _assert_close((params, opt_state), (want_params, want_state))
+    assert float(params["w"][0, 0]) != 0.0  # the release moved the params
