@@ -21,7 +21,9 @@ params), a whole cycle of 8 steps (7 held, 1 released) against MultiSteps' cycle
 the per-device bytes `compiled.memory_analysis()` gives (arguments, outputs,
 temporaries) against MultiSteps'. The JSON also holds, from the compiled HLO, the
 collectives of each step and its copies of a whole parameter shard. Timings are
-medians of per-round ratios over interleaved rounds after a warm-up round.
+medians of per-round ratios over interleaved rounds after a warm-up round, in wall-clock
+time and in this process's CPU time (the work of all 8 device threads, which other load
+on a shared machine disturbs less).
 
 Run from the repository root: `python benchmarks/sharded.py` (`--rounds 3` for a quick
 look, `--mode explicit` for one mode, `--quick` for tiny leaves: a smoke test whose
