@@ -32,6 +32,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax import microbatching
+from test_fsdp import DENSE_SPECS, _mesh, _x64  # noqa: F401 (_x64: the fixture)
+from test_fsdp import _params as fsdp_params
 
 import optax_accum
 from optax_accum import _compat
@@ -41,22 +43,11 @@ NUM_REQUIRED = 2  # steps per window
 BATCH = 16  # examples per step, split over `data`
 MICRO = 4  # examples per micro-batch: 4 micro-batches per step
 LAGS = (0, 0, 0, 1, 0, 0, 2, 0, 0)  # a step tagged behind the accumulator is dropped
-SPECS = {"w": P("fsdp", None), "v": P("fsdp", "data"), "b": P()}
-
-
-@pytest.fixture(autouse=True)
-def _x64():
-    with _compat.enable_x64():
-        yield
+SPECS = DENSE_SPECS
 
 
 def _params() -> dict:
-    rng = np.random.default_rng(0)
-    return {
-        "w": rng.normal(size=(16, 8)) / 4,
-        "v": rng.normal(size=(8, 4)) / 3,
-        "b": rng.normal(size=(4,)),
-    }
+    return fsdp_params("dense")
 
 
 def _batches() -> list:
@@ -85,11 +76,6 @@ def _reference() -> tuple[dict, int]:
             params = {k: params[k] - LR * grads[k] for k in params}
             window, releases = [], releases + 1
     return params, releases
-
-
-def _mesh(mode: str) -> jax.sharding.Mesh:
-    kind = jax.sharding.AxisType.Explicit if mode == "explicit" else jax.sharding.AxisType.Auto
-    return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind, kind))
 
 
 def _loss(params, x, y):
