@@ -98,7 +98,7 @@ def weight_or_none(weight: Any) -> tuple[jax.Array | None, jax.Array]:
         )
     if not isinstance(weight, jax.core.Tracer):
         value = np.asarray(weight).astype(np.float64)
-        if not (np.isfinite(value) and value >= 0 and np.isfinite(np.float32(value))):
+        if not (np.isfinite(value) and 0 <= value <= np.finfo(np.float32).max):
             raise ValueError(
                 "weight must be a non-negative, finite scalar (in float32), got "
                 f"{np.asarray(weight).item()!r}"
