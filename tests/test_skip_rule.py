@@ -283,3 +283,13 @@ def test_state_helpers_still_find_the_counts():
     state = tx.init(jnp.zeros(2))
     _, state = tx.update(jnp.ones(2), state)
     assert int(optax_accum.num_accumulated(state)) == 1
+
+
+def test_num_skipped_saturates_instead_of_wrapping():
+    top = np.iinfo(np.int32).max
+    tx = conditional_accumulator(optax.identity(), 2, should_skip_update_fn=skip_large)
+    state = tx.init(jnp.zeros(2))._replace(num_skipped=jnp.int32(top - 1))
+    update = jax.jit(tx.update)
+    for _ in range(3):
+        _, state = update(jnp.full(2, 100.0), state)
+    assert int(state.num_skipped) == top and int(state.count) == 0
