@@ -96,7 +96,9 @@ def weight_or_none(weight: Any) -> tuple[jax.Array | None, jax.Array]:
         raise ValueError(
             f"weight must be a non-negative real scalar, got shape {tuple(jnp.shape(weight))}"
         )
-    if not isinstance(weight, jax.core.Tracer):
+    # A concrete value is checked now; a traced one (or one spread over several
+    # processes, which cannot be read here) is checked in the program.
+    if not isinstance(weight, jax.core.Tracer) and getattr(weight, "is_fully_addressable", True):
         value = np.asarray(weight).astype(np.float64)
         if not (np.isfinite(value) and 0 <= value <= np.finfo(np.float32).max):
             raise ValueError(
