@@ -628,6 +628,11 @@ def sparse_conditional_accumulator(
       ([0, 1, 4], [[-0.5, -0.5], [-0.0, -2.0], [-3.0, -0.0]])
       >>> optax_accum.apply_updates(table, u)[:, 0].tolist()
       [-0.5, 0.0, 0.0, 0.0, -3.0]
+      >>> # Weighted: row 0 is (1 * 1 + 3 * 3) / (1 + 3), row 4 is (3 * 2) / 3.
+      >>> _, state = tx.update(grad([0], [[1.0, 1.0]]), state, weight=1)
+      >>> u, state = tx.update(grad([0, 4], [[3.0, 3.0], [2.0, 2.0]]), state, weight=3)
+      >>> u.indices.tolist(), u.values[:2].tolist()
+      ([0, 4, 5], [[-2.5, -2.5], [-2.0, -2.0]])
     """
     inner = optax.with_extra_args_support(_checks.require_transformation("inner", inner))
     required = _counters.num_required_fn(num_required)
