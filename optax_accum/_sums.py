@@ -7,6 +7,7 @@ Inf in a gradient that is not taken never reaches the sum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,6 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum import _compat
+
+# The dtype of weight sums (`weight_sum`, the rows' `weights`): float32, whatever the
+# gradients' dtypes.
+WEIGHT_DTYPE = jnp.float32
 
 
 def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) -> np.dtype:
@@ -45,12 +50,118 @@ def row_zeros(param: Any, dtype: Any) -> jax.Array:
     return jnp.zeros(rows, dtype, out_sharding=_compat.leading_axis_sharding(param))
 
 
-def add_where(accepted: jax.Array, accumulator: jax.Array, gradient: jax.Array) -> jax.Array:
-    """`accumulator + gradient` (in the accumulator's dtype) if `accepted`, else unchanged.
+def add_where(
+    accepted: jax.Array,
+    accumulator: jax.Array,
+    gradient: jax.Array,
+    weight: jax.Array | None = None,
+) -> jax.Array:
+    """`accumulator + weight * gradient` (in the accumulator's dtype) if `accepted`.
 
-    A selection, so a NaN in a rejected gradient never reaches the accumulator.
+    A selection, so a NaN in a rejected gradient never reaches the accumulator. Without
+    a `weight` nothing is multiplied; a zero weight adds nothing (not even a NaN).
     """
-    return jnp.where(accepted, accumulator + gradient.astype(accumulator.dtype), accumulator)
+    if weight is None:
+        return jnp.where(accepted, accumulator + gradient.astype(accumulator.dtype), accumulator)
+    added = weighted(gradient, weight, accumulator.dtype)
+    return jnp.where(accepted & (weight > 0), accumulator + added, accumulator)
+
+
+def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:
+    """`weight * values` in `dtype`, multiplied in at least float32; `values` as they are
+    (cast) without a weight. A zero weight gives zeros, even for a NaN."""
+    if weight is None:
+        return values.astype(dtype)
+    compute = jnp.promote_types(dtype, jnp.float32)
+    product = values.astype(compute) * weight.astype(compute)
+    return jnp.where(weight > 0, product, jnp.zeros((), compute)).astype(dtype)
+
+
+def mean_divisor(weights: jax.Array, dtype: Any) -> jax.Array:
+    """The divisor of a weighted mean: the weight sum, or 1 where it is 0 (the sum is
+    then 0 too, so the mean is 0)."""
+    return jnp.where(weights > 0, weights, jnp.ones((), weights.dtype)).astype(dtype)
+
+
+def weight_or_none(weight: Any) -> tuple[jax.Array | None, jax.Array]:
+    """Validates the `weight` extra argument: `(weight as a float32 scalar, ok)`.
+
+    `None` (the default, weight 1) gives `(None, True)`, so that callers skip the
+    multiply. A weight must be a real scalar (TypeError / ValueError at trace time
+    otherwise). A concrete weight that is negative, NaN or infinite is a ValueError; a
+    traced one cannot raise, so it comes back as 0 with `ok` False, for the caller to
+    skip the gradient and count it.
+    """
+    if weight is None:
+        return None, jnp.asarray(True)
+    real = int | float | np.ndarray | np.generic | jax.Array
+    if isinstance(weight, bool | np.bool_) or not isinstance(weight, real):
+        raise TypeError(
+            f"weight must be a non-negative real scalar, got {weight!r} ({type(weight).__name__})"
+        )
+    dtype = jnp.result_type(weight)
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"weight must be a non-negative real scalar, got dtype {dtype}")
+    if jnp.ndim(weight) != 0:
+        raise ValueError(
+            f"weight must be a non-negative real scalar, got shape {tuple(jnp.shape(weight))}"
+        )
+    # A concrete value is checked now; a traced one (or one spread over several
+    # processes, which cannot be read here) is checked in the program.
+    if not isinstance(weight, jax.core.Tracer) and getattr(weight, "is_fully_addressable", True):
+        value = np.asarray(weight).astype(np.float64)
+        if not (np.isfinite(value) and 0 <= value <= np.finfo(np.float32).max):
+            raise ValueError(
+                "weight must be a non-negative, finite scalar (in float32), got "
+                f"{np.asarray(weight).item()!r}"
+            )
+        return jnp.asarray(value, WEIGHT_DTYPE), jnp.asarray(True)
+    w = jnp.asarray(weight).astype(WEIGHT_DTYPE)
+    ok = jnp.isfinite(w) & (w >= 0)
+    return jnp.where(ok, w, jnp.zeros((), WEIGHT_DTYPE)), ok
+
+
+def skip_rule(
+    should_skip_update_fn: Callable | None,
+    updates: Any,
+    gradient_step: jax.Array,
+    params: Any,
+) -> jax.Array | None:
+    """The scalar bool `should_skip_update_fn(updates, gradient_step, params)` says, or
+    None without a rule.
+
+    The rule may return a bool scalar, or `optax.MultiSteps`' pair `(bool scalar,
+    debugging tree)`, whose tree is discarded. Anything else is a TypeError or
+    ValueError at trace time.
+    """
+    if should_skip_update_fn is None:
+        return None
+    out = should_skip_update_fn(updates, gradient_step, params)
+    if isinstance(out, tuple | list) and len(out) == 2:
+        out = out[0]
+    if isinstance(out, bool | np.bool_):
+        return jnp.asarray(bool(out))
+    if not isinstance(out, np.ndarray | jax.Array) or (out.dtype, out.shape) != (jnp.bool_, ()):
+        got = (
+            f"dtype {out.dtype} and shape {out.shape}"
+            if isinstance(out, np.ndarray | jax.Array)
+            else f"{out!r} ({type(out).__name__})"
+        )
+        raise TypeError(
+            "should_skip_update_fn must return a bool scalar (or a pair of one and any "
+            f"tree, as optax.MultiSteps' rules do), got {got}"
+        )
+    return jnp.asarray(out)
+
+
+def require_skip_rule(value: Any) -> Callable | None:
+    """Checks the `should_skip_update_fn` argument: a callable or None."""
+    if value is not None and not callable(value):
+        raise TypeError(
+            "should_skip_update_fn must be a callable (updates, gradient_step, params) -> "
+            f"bool, or None, got {value!r} ({type(value).__name__})"
+        )
+    return value
 
 
 def all_finite(tree: Any) -> jax.Array:

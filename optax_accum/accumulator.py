@@ -8,6 +8,7 @@ transform: the release feeds a wrapped optimizer, which runs only on releasing s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,9 +27,14 @@ class ConditionalAccumulatorState(NamedTuple):
         A gradient is accepted iff its `local_step >= global_step`.
       count: int32, accepted gradients since the last release (summed over replicas
         under an `axis_name`).
+      weight_sum: float32, the sum of the accepted gradients' `weight`s since the last
+        release (each 1 by default, so then it equals `count`; summed over replicas).
       num_dropped: int32, stale gradients dropped so far (summed over replicas).
       num_nonfinite: int32, gradients skipped for holding a NaN or Inf (only with
         `skip_nonfinite=True`; summed over replicas).
+      num_skipped: int32, fresh gradients skipped by `should_skip_update_fn`, or for a
+        traced `weight` that is negative, NaN or infinite (summed over replicas). A
+        non-finite gradient under `skip_nonfinite=True` counts in `num_nonfinite` only.
       emitted: bool, whether the last `update` released an update.
       accumulator: the running sum of accepted gradients, in the accumulator dtype
         (under an `axis_name`, each replica holds the sum of its own gradients).
@@ -46,8 +52,10 @@ class ConditionalAccumulatorState(NamedTuple):
 
     global_step: jax.Array
     count: jax.Array
+    weight_sum: jax.Array
     num_dropped: jax.Array
     num_nonfinite: jax.Array
+    num_skipped: jax.Array
     emitted: jax.Array
     accumulator: optax.Updates
     inner_state: optax.OptState
@@ -61,6 +69,7 @@ def conditional_accumulator(
     accumulator_dtype: Any = None,
     axis_name: Any = None,
     skip_nonfinite: bool = False,
+    should_skip_update_fn: Callable[..., Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates step-tagged gradients and releases their mean to `inner`.
 
@@ -72,6 +81,13 @@ def conditional_accumulator(
     (all accepted gradients), SUM does not. `inner` transforms the release, its
     updates are returned, `global_step` advances by one, and the aggregate resets.
     On every other step the updates are zeros, and `inner` neither runs nor changes.
+
+    A gradient may carry a `weight` (extra argument: a non-negative scalar, 1 if
+    omitted), e.g. the number of tokens its micro-batch held. MEAN then releases
+    `sum(weight * g) / sum(weight)` over the accepted gradients, SUM `sum(weight * g)`;
+    a window whose weights sum to 0 releases zeros. A release still comes after
+    `num_required` accepted gradients, whatever their weights. A gradient that is not
+    accepted adds no weight; one of weight 0 adds nothing to the sum, not even a NaN.
 
     With `axis_name`, the accumulator is shared by the replicas of that axis (inside
     `jax.pmap`, `jax.shard_map` or `jax.vmap`). Each replica offers its own gradient
@@ -105,6 +121,13 @@ def conditional_accumulator(
       skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped (neither
         accumulated nor counted as accepted) and counted in `num_nonfinite`. By
         default it is accumulated as given, as TF does.
+      should_skip_update_fn: optional rule with `optax.MultiSteps`' signature,
+        `(updates, gradient_step, params) -> bool` (or `optax.MultiSteps`' pair of
+        a bool and a debugging tree, which is discarded), called with the gradient,
+        `global_step` and the `params` given to `update`: `optax.skip_not_finite`,
+        say, or `functools.partial(optax.skip_large_updates, max_squared_norm=...)`.
+        A fresh gradient it skips is neither accumulated nor counted as accepted, and
+        is counted in `num_skipped`; nothing else changes.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -112,8 +135,11 @@ def conditional_accumulator(
 
     Raises:
       TypeError / ValueError: for a bad argument, naming it; at trace time, for
-        gradients whose structure, shapes or dtypes do not match the params, and for a
-        non-integer or non-scalar `local_step`.
+        gradients whose structure, shapes or dtypes do not match the params, for a
+        non-integer or non-scalar `local_step`, for a non-scalar `weight` or a
+        concrete one that is negative or not finite (a traced one cannot raise: its
+        gradient is skipped and counted in `num_skipped`), and for a rule that does
+        not return a bool scalar.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -129,6 +155,11 @@ def conditional_accumulator(
       Array([-2., -3.], dtype=float32)
       >>> int(optax_accum.global_step(state)), int(state.num_dropped)
       (1, 1)
+      >>> # Weighted: (1 * [1, 2] + 3 * [3, 4]) / (1 + 3)
+      >>> _, state = tx.update(jnp.array([1.0, 2.0]), state, weight=1)
+      >>> u, state = tx.update(jnp.array([3.0, 4.0]), state, weight=3)
+      >>> u
+      Array([-2.5, -3.5], dtype=float32)
     """
     inner = _extra_args.forward_to("inner", inner)
     required = _counters.num_required_fn(num_required)
@@ -136,6 +167,7 @@ def conditional_accumulator(
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
+    skip_rule = _sums.require_skip_rule(should_skip_update_fn)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
         _checks.require_floating_params(params)
@@ -143,8 +175,10 @@ def conditional_accumulator(
         return ConditionalAccumulatorState(
             global_step=_counters.int32(0),
             count=_counters.int32(0),
+            weight_sum=jnp.zeros((), _sums.WEIGHT_DTYPE),
             num_dropped=_counters.int32(0),
             num_nonfinite=_counters.int32(0),
+            num_skipped=_counters.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(lambda p: _sums.zeros_accumulator(p, acc_dtype), params),
             inner_state=inner.init(params),
@@ -156,26 +190,40 @@ def conditional_accumulator(
         params: optax.Params | None = None,
         *,
         local_step: Any = None,
+        weight: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
         _checks.require_state(state, ConditionalAccumulatorState)
         _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
         step = _counters.local_step_or(local_step, state.global_step)
+        w, weight_ok = _sums.weight_or_none(weight)
         fresh = step >= state.global_step
         finite = _sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
-        accepted = fresh & finite
-        arrived = jnp.stack([accepted, ~fresh, fresh & ~finite]).astype(jnp.int32)
+        rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
+        kept = weight_ok if rule is None else weight_ok & ~rule
+        accepted = fresh & finite & kept
+        flags = [accepted, ~fresh, fresh & ~finite, fresh & finite & ~kept]
+        arrived = jnp.stack(flags).astype(jnp.int32)
+        # Without a weight, each accepted gradient weighs 1. With one, the weight joins
+        # the counts in one float32 all-reduce (the counts, at most one per replica, are
+        # exact in float32).
+        added = None if w is None else jnp.where(accepted, w, jnp.zeros((), w.dtype))
         if axis_name is not None:
             _checks.require_bound_axis(axis_name)
-            arrived = lax.psum(arrived, axis_name)
+            if added is None:
+                arrived = lax.psum(arrived, axis_name)
+            else:
+                summed = lax.psum(jnp.append(arrived.astype(w.dtype), added), axis_name)
+                arrived, added = summed[:-1].astype(jnp.int32), summed[-1]
+        if added is None:
+            added = arrived[0].astype(_sums.WEIGHT_DTYPE)
         count = _counters.saturating_add(state.count, arrived[0])
-        num_dropped = _counters.saturating_add(state.num_dropped, arrived[1])
-        num_nonfinite = _counters.saturating_add(state.num_nonfinite, arrived[2])
+        weight_sum = state.weight_sum + added
         emit = count >= required(state.global_step)
 
         accumulator = jax.tree.map(
-            lambda a, g: _sums.add_where(accepted, a, g), state.accumulator, updates
+            lambda a, g: _sums.add_where(accepted, a, g, w), state.accumulator, updates
         )
 
         # A held step is the addition above, in place, and passes the inner state and
@@ -184,7 +232,7 @@ def conditional_accumulator(
         def release(inner_state, accumulator):
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
             if mean:
-                total = jax.tree.map(lambda t: t / count.astype(t.dtype), total)
+                total = jax.tree.map(lambda t: t / _sums.mean_divisor(weight_sum, t.dtype), total)
             aggregate = optax.tree.cast_like(total, updates)
             return inner.update(aggregate, inner_state, params, **extra_args)
 
@@ -194,8 +242,10 @@ def conditional_accumulator(
         new_state = ConditionalAccumulatorState(
             global_step=_counters.increment_if(emit, state.global_step),
             count=jnp.where(emit, 0, count),
-            num_dropped=num_dropped,
-            num_nonfinite=num_nonfinite,
+            weight_sum=jnp.where(emit, jnp.zeros((), weight_sum.dtype), weight_sum),
+            num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
+            num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
+            num_skipped=_counters.saturating_add(state.num_skipped, arrived[3]),
             emitted=emit,
             accumulator=accumulator,
             inner_state=inner_state,

@@ -11,6 +11,7 @@ and the centre lives in the state, so it checkpoints with everything else.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +37,11 @@ class AGNState(NamedTuple):
       round_nonfinite: int32 of shape (1,), this replica's skipped gradients in the
         current round (added to `num_nonfinite` at the next sync). A vector, so that
         under `jax.shard_map` the workers' counts can be split over the mesh axis.
+      num_skipped: int32, gradients skipped by `should_skip_update_fn` in the rounds
+        completed so far, summed over the replicas at each sync (a non-finite gradient
+        under `skip_nonfinite=True` counts in `num_nonfinite` only).
+      round_skipped: int32 of shape (1,), this replica's gradients skipped by the rule
+        in the current round (added to `num_skipped` at the next sync).
       emitted: bool, whether the last `update` was a sync step (the centre moved and
         the local parameters were pulled to it).
       accumulator: the sum of this round's raw gradients, in the accumulator dtype
@@ -59,6 +65,8 @@ class AGNState(NamedTuple):
     count: jax.Array
     num_nonfinite: jax.Array
     round_nonfinite: jax.Array
+    num_skipped: jax.Array
+    round_skipped: jax.Array
     emitted: jax.Array
     accumulator: optax.Updates
     centre: optax.Params
@@ -81,6 +89,7 @@ def agn(
     commit: str = "gradients",
     accumulator_dtype: Any = None,
     skip_nonfinite: bool = False,
+    should_skip_update_fn: Callable[..., Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Local SGD with a centre that moves every `communication_period` steps (AGN).
 
@@ -147,6 +156,13 @@ def agn(
         step still counts, so replicas stay in step, but neither `inner` nor the
         accumulator sees it) and counted in `round_nonfinite`, then in
         `num_nonfinite` at the sync. By default it is used as given, as TF does.
+      should_skip_update_fn: optional rule with `optax.MultiSteps`' signature,
+        `(updates, gradient_step, params) -> bool` (or its pair of a bool and a
+        debugging tree, which is discarded), called with the gradient, `global_step`
+        (the rounds so far) and this worker's `params`. A gradient it skips is left
+        out as `skip_nonfinite` leaves out a non-finite one (the local step still
+        counts, so the replicas stay in step) and is counted in `round_skipped`,
+        then in `num_skipped` at the sync.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AGNState`.
@@ -154,8 +170,9 @@ def agn(
 
     Raises:
       TypeError / ValueError: for a bad argument, naming it; at trace time, when
-        `params` is missing, and for gradients or params whose structure, shapes or
-        dtypes do not match the params given to `init`.
+        `params` is missing, for gradients or params whose structure, shapes or
+        dtypes do not match the params given to `init`, and for a rule that does not
+        return a bool scalar.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -184,6 +201,7 @@ def agn(
     outer = _extra_args.forward_to("outer", outer)
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
+    skip_rule = _sums.require_skip_rule(should_skip_update_fn)
 
     def sum_dtype(x: Any) -> Any:
         return _sums.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
@@ -202,6 +220,8 @@ def agn(
             count=_counters.int32(0),
             num_nonfinite=_counters.int32(0),
             round_nonfinite=jnp.zeros_like(like, jnp.int32, shape=(1,)),
+            num_skipped=_counters.int32(0),
+            round_skipped=jnp.zeros_like(like, jnp.int32, shape=(1,)),
             emitted=jnp.asarray(False),
             accumulator=accumulator,
             # A copy: outside jit, asarray would alias the params' buffers, and a train
@@ -234,25 +254,31 @@ def agn(
         # state (Adam's moments); the state keeps its own, as optax.MultiSteps does.
         inner_state = optax.tree.cast_like(inner_state, state.inner_state)
         accumulator = state.accumulator
-        round_nonfinite = state.round_nonfinite
-        if skip_nonfinite:
-            finite = _sums.all_finite(updates)
+        round_nonfinite, round_skipped = state.round_nonfinite, state.round_skipped
+        finite = _sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
+        rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
+        kept = finite if rule is None else finite & ~rule
+        skips = skip_nonfinite or rule is not None
+        if skips:
             local_updates = _sums.tree_select(
-                finite, local_updates, optax.tree.zeros_like(local_updates)
+                kept, local_updates, optax.tree.zeros_like(local_updates)
             )
-            inner_state = _sums.tree_select(finite, inner_state, state.inner_state)
+            inner_state = _sums.tree_select(kept, inner_state, state.inner_state)
+        if skip_nonfinite:
             round_nonfinite = _counters.saturating_add(round_nonfinite, (~finite).astype(jnp.int32))
-        else:
-            finite = jnp.asarray(True)
+        if rule is not None:
+            round_skipped = _counters.saturating_add(
+                round_skipped, (finite & rule).astype(jnp.int32)
+            )
         if not delta:
             accumulator = jax.tree.map(
-                functools.partial(_sums.add_where, finite), accumulator, updates
+                functools.partial(_sums.add_where, kept), accumulator, updates
             )
         count = state.count + 1
         sync = count >= period
 
         def commit_round(carry):
-            accumulator, centre, outer_state, num_nonfinite, round_nonfinite = carry
+            accumulator, centre, outer_state, skipped = carry
             if delta:
                 local = optax.apply_updates(params, local_updates)
                 pseudo = jax.tree.map(
@@ -267,20 +293,22 @@ def agn(
             pseudo = optax.tree.cast_like(pseudo, centre)
             outer_updates, outer_state = outer.update(pseudo, outer_state, centre, **extra_args)
             centre = optax.apply_updates(centre, outer_updates)
-            if skip_nonfinite:
-                skipped = round_nonfinite[0]
+            if skips:  # both rounds' counts in one all-reduce
+                (num_nonfinite, num_skipped), rounds = skipped
+                this_round = jnp.concatenate(rounds)
                 if axis_name is not None:
-                    skipped = lax.psum(skipped, axis_name)
-                num_nonfinite = _counters.saturating_add(num_nonfinite, skipped)
-                round_nonfinite = jnp.zeros_like(round_nonfinite)
+                    this_round = lax.psum(this_round, axis_name)
+                num_nonfinite = _counters.saturating_add(num_nonfinite, this_round[0])
+                num_skipped = _counters.saturating_add(num_skipped, this_round[1])
+                skipped = ((num_nonfinite, num_skipped), jax.tree.map(jnp.zeros_like, rounds))
             zeros = optax.tree.zeros_like(accumulator)
-            return zeros, centre, outer_state, num_nonfinite, round_nonfinite
+            return zeros, centre, outer_state, skipped
 
-        accumulator, centre, outer_state, num_nonfinite, round_nonfinite = _branch.apply_if(
-            sync,
-            commit_round,
-            (accumulator, state.centre, state.outer_state, state.num_nonfinite, round_nonfinite),
+        skipped = ((state.num_nonfinite, state.num_skipped), (round_nonfinite, round_skipped))
+        accumulator, centre, outer_state, skipped = _branch.apply_if(
+            sync, commit_round, (accumulator, state.centre, state.outer_state, skipped)
         )
+        (num_nonfinite, num_skipped), (round_nonfinite, round_skipped) = skipped
         pull = optax.tree.cast_like(jax.tree.map(lambda c, p: c - p, centre, params), local_updates)
         new_updates = _sums.tree_select(sync, pull, local_updates)
         new_state = AGNState(
@@ -288,6 +316,8 @@ def agn(
             count=jnp.where(sync, 0, count),
             num_nonfinite=num_nonfinite,
             round_nonfinite=round_nonfinite,
+            num_skipped=num_skipped,
+            round_skipped=round_skipped,
             emitted=sync,
             accumulator=accumulator,
             centre=centre,

@@ -10,6 +10,7 @@ gradient's rows, never to the table's size. `sparse_sgd` updates only those rows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +39,8 @@ class RowBuffer(NamedTuple):
       rows: int32 `[capacity]`, the row id held in each slot.
       values: `[capacity, *row_shape]`, the sum of the accepted gradients' rows.
       touches: int32 `[capacity]`, how many accepted gradients touched each slot's row.
+      weights: float32 `[capacity]`, the sum of the `weight`s of those gradients (each
+        1 by default, so then it equals `touches`); MEAN divides each row by it.
       size: int32, the number of slots in use (slots `0..size-1`). Slots at or beyond
         `size` hold stale data from before the last release and are never read: a
         release only resets `size`, so it costs nothing per table row.
@@ -63,6 +66,7 @@ class RowBuffer(NamedTuple):
     rows: jax.Array
     values: jax.Array
     touches: jax.Array
+    weights: jax.Array
     size: jax.Array
     slot_of: jax.Array
 
@@ -71,8 +75,9 @@ class DenseRows(NamedTuple):
     """One dense leaf's running sum, and how many accepted gradients touched each row.
 
     A dense gradient touches every row; an `IndexedSlices` gradient offered to a dense
-    leaf touches its distinct row ids. MEAN divides each row by its count, so a row's
-    mean does not depend on whether its leaf is kept sparse or dense.
+    leaf touches its distinct row ids. MEAN divides each row by the weight sum of the
+    gradients that touched it (their count, without weights), so a row's mean does not
+    depend on whether its leaf is kept sparse or dense.
 
     TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
     for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
@@ -81,6 +86,8 @@ class DenseRows(NamedTuple):
       values: the sum of the accepted gradients, shaped like the param, in the
         accumulator's dtype (float32 for float16 and bfloat16 params).
       touches: int32 `[rows]` (a scalar for a scalar param), the count of each row.
+      weights: float32, shaped like `touches`: the sum of the `weight`s of the
+        gradients that touched each row (equal to `touches` without weights).
 
     Example:
       >>> import jax.numpy as jnp, optax_accum
@@ -96,6 +103,7 @@ class DenseRows(NamedTuple):
 
     values: jax.Array
     touches: jax.Array
+    weights: jax.Array
 
 
 class SparseConditionalAccumulatorState(NamedTuple):
@@ -106,6 +114,9 @@ class SparseConditionalAccumulatorState(NamedTuple):
       count: int32, accepted gradients since the last release (over all replicas).
       num_dropped: int32, stale gradients dropped so far.
       num_nonfinite: int32, gradients skipped for a NaN or Inf (`skip_nonfinite`).
+      num_skipped: int32, fresh gradients skipped by `should_skip_update_fn`, or for a
+        traced `weight` that is negative, NaN or infinite. A non-finite gradient
+        under `skip_nonfinite=True` counts in `num_nonfinite` only.
       num_overflowed: int32, gradients rejected because a sparse leaf would have held
         more than `capacity` distinct rows.
       num_out_of_range: int32, rows of accepted `IndexedSlices` gradients (for sparse
@@ -131,6 +142,7 @@ class SparseConditionalAccumulatorState(NamedTuple):
     count: jax.Array
     num_dropped: jax.Array
     num_nonfinite: jax.Array
+    num_skipped: jax.Array
     num_overflowed: jax.Array
     num_out_of_range: jax.Array
     emitted: jax.Array
@@ -158,6 +170,7 @@ def _dense_rows(param: Any) -> DenseRows:
     return DenseRows(
         values=_sums.zeros_accumulator(param),
         touches=_sums.row_zeros(param, jnp.int32),
+        weights=_sums.row_zeros(param, _sums.WEIGHT_DTYPE),
     )
 
 
@@ -168,6 +181,7 @@ def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
         rows=jnp.full((capacity,), shape[0], jnp.int32),
         values=jnp.zeros((capacity, *shape[1:]), dtype),
         touches=jnp.zeros((capacity,), jnp.int32),
+        weights=jnp.zeros((capacity,), _sums.WEIGHT_DTYPE),
         size=_counters.int32(0),
         slot_of=jnp.full((shape[0],), -1, jnp.int32),
     )
@@ -257,41 +271,50 @@ def _all_finite(grads: list, accs: list) -> jax.Array:
     return _sums.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
 
 
-def _add_dense(accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any) -> DenseRows:
-    """A dense leaf's accumulation. An `IndexedSlices` gradient (given as `rows`, a
-    pair of int32 row ids and values) is scatter-added, each distinct row counted once;
-    a gradient not accepted is aimed out of range, so nothing is written."""
+def _add_dense(
+    accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any, weight: jax.Array | None
+) -> DenseRows:
+    """A dense leaf's accumulation, each row weighted by `weight` (None: 1). An
+    `IndexedSlices` gradient (given as `rows`, a pair of int32 row ids and values) is
+    scatter-added, each distinct row counted once; a gradient not accepted is aimed out
+    of range, so nothing is written."""
+    added = 1 if weight is None else weight
     if rows is None:
         return DenseRows(
-            _sums.add_where(accepted, acc.values, gradient),
+            _sums.add_where(accepted, acc.values, gradient, weight),
             jnp.where(accepted, acc.touches + 1, acc.touches),
+            jnp.where(accepted, acc.weights + added, acc.weights),
         )
     ids, values = rows
     ids = jnp.where(accepted, ids, acc.values.shape[0])
     # Every occurrence of a row writes the same count, so duplicates count once.
-    touched = acc.touches.at[ids].get(
-        mode="fill", fill_value=0, out_sharding=_compat.sharding_of(ids)
-    )
-    values = values.astype(acc.values.dtype)
+    rows_like_ids = _compat.sharding_of(ids)
+    touched = acc.touches.at[ids].get(mode="fill", fill_value=0, out_sharding=rows_like_ids)
+    weighed = acc.weights.at[ids].get(mode="fill", fill_value=0, out_sharding=rows_like_ids)
+    values = _sums.weighted(values, weight, acc.values.dtype)
     return DenseRows(  # in the accumulator's layout (explicit sharding: its row shards)
         acc.values.at[ids].add(values, mode="drop", out_sharding=_compat.sharding_of(acc.values)),
         acc.touches.at[ids].set(
             touched + 1, mode="drop", out_sharding=_compat.sharding_of(acc.touches)
         ),
+        acc.weights.at[ids].set(
+            weighed + added, mode="drop", out_sharding=_compat.sharding_of(acc.weights)
+        ),
     )
 
 
 def _release_dense(acc: DenseRows, mean: bool, like: Any, axis_name: Any) -> jax.Array:
-    """A dense leaf released: summed over `axis_name`, each row divided by its count
-    if `mean` (by the number of accepted gradients, when all of them were dense)."""
-    total, touches = acc.values, acc.touches
+    """A dense leaf released: summed over `axis_name`, each row divided by its weight
+    sum if `mean` (by the number of accepted gradients, when all of them were dense and
+    unweighted)."""
+    total, weights = acc.values, acc.weights
     if axis_name is not None:
         total = lax.psum(total, axis_name)
     if mean:
         if axis_name is not None:
-            touches = lax.psum(touches, axis_name)
-        touches = touches.reshape(touches.shape + (1,) * (total.ndim - touches.ndim))
-        total = total / jnp.maximum(touches, 1).astype(total.dtype)
+            weights = lax.psum(weights, axis_name)
+        weights = weights.reshape(weights.shape + (1,) * (total.ndim - weights.ndim))
+        total = total / _sums.mean_divisor(weights, total.dtype)
     return total.astype(jnp.result_type(like))
 
 
@@ -355,8 +378,11 @@ def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
     return buf.size + plan.num_new <= buf.rows.shape[0]
 
 
-def _commit(buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array) -> RowBuffer:
-    """Adds the planned rows if `take`; otherwise every scatter is aimed out of range."""
+def _commit(
+    buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array, weight: jax.Array | None
+) -> RowBuffer:
+    """Adds the planned rows, weighted by `weight` (None: 1), if `take`; otherwise every
+    scatter is aimed out of range."""
     capacity = buf.rows.shape[0]
     slot = jnp.where(take, plan.slot, capacity)
     new_slot = jnp.where(plan.new, slot, capacity)
@@ -364,13 +390,16 @@ def _commit(buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array) -> 
     zero = jnp.zeros((), buf.values.dtype)
     cleared = buf.values.at[new_slot].set(zero, mode="drop")
     touches = buf.touches.at[new_slot].set(0, mode="drop")
+    weights = buf.weights.at[new_slot].set(0, mode="drop")
+    first = jnp.where(plan.first, slot, capacity)
     # Every occurrence of a row writes the same entry, so the scatter is deterministic;
     # a gradient not taken restores the claimed entries exactly as they were.
     mapped = jnp.where(take, plan.slot, plan.before)
     return RowBuffer(
         rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
-        values=cleared.at[slot].add(values.astype(buf.values.dtype), mode="drop"),
-        touches=touches.at[jnp.where(plan.first, slot, capacity)].add(1, mode="drop"),
+        values=cleared.at[slot].add(_sums.weighted(values, weight, buf.values.dtype), mode="drop"),
+        touches=touches.at[first].add(1, mode="drop"),
+        weights=weights.at[first].add(1 if weight is None else weight, mode="drop"),
         size=jnp.where(take, buf.size + plan.num_new, buf.size),
         slot_of=plan.slot_of.at[plan.unmapped].set(mapped, mode="drop"),
     )
@@ -387,9 +416,9 @@ def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSli
     slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
     values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
     if mean:
-        touches = buf.touches.at[slots].get(mode="fill", fill_value=1)
-        touches = touches.reshape((-1,) + (1,) * (values.ndim - 1))
-        values = values / jnp.maximum(touches, 1).astype(values.dtype)
+        weights = buf.weights.at[slots].get(mode="fill", fill_value=1)
+        weights = weights.reshape((-1,) + (1,) * (values.ndim - 1))
+        values = values / _sums.mean_divisor(weights, values.dtype)
     table = (num_rows, *buf.values.shape[1:])
     return IndexedSlices(ids, values.astype(like.values.dtype), table)
 
@@ -462,24 +491,27 @@ _UNROLL = 8  # up to this many replicas, insertion is unrolled rather than scann
 
 
 def _insert_all(
-    buffers: list[RowBuffer], grads: list[tuple[jax.Array, jax.Array]], offered: jax.Array
+    buffers: list[RowBuffer],
+    grads: list[tuple[jax.Array, jax.Array]],
+    offered: jax.Array,
+    weights: jax.Array | None,
 ) -> tuple[list[RowBuffer], jax.Array, jax.Array]:
     """Inserts a stack of gradients (one per replica) in order, each whole or not at all.
 
     `grads[k]` is a pair of int32 row ids `[n, nnz]` and their values, and `offered`
-    is `[n]`. Returns the buffers and, per gradient, whether it was taken and whether
-    it overflowed.
+    and `weights` (None: all 1) are `[n]`. Returns the buffers and, per gradient,
+    whether it was taken and whether it overflowed.
     """
 
     def one(bufs, xs):
-        offer, indices, values = xs
+        offer, weight, indices, values = xs
         plans = [_plan(b, i) for b, i in zip(bufs, indices, strict=True)]
         fits = jnp.stack([_fits(b, p) for b, p in zip(bufs, plans, strict=True)] + [True]).all()
         take = offer & fits
-        bufs = [_commit(b, p, v, take) for b, p, v in zip(bufs, plans, values, strict=True)]
+        bufs = [_commit(b, p, v, take, weight) for b, p, v in zip(bufs, plans, values, strict=True)]
         return bufs, (take, offer & ~fits)
 
-    xs = (offered, [ids for ids, _ in grads], [values for _, values in grads])
+    xs = (offered, weights, [ids for ids, _ in grads], [values for _, values in grads])
     if offered.shape[0] > _UNROLL:
         buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
         return buffers, taken, overflowed
@@ -503,6 +535,7 @@ def sparse_conditional_accumulator(
     axis_name: Any = None,
     sparse: Any = None,
     skip_nonfinite: bool = False,
+    should_skip_update_fn: Callable[..., Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates step-tagged, row-sparse gradients and releases them to `inner`.
 
@@ -514,7 +547,11 @@ def sparse_conditional_accumulator(
 
     Sparse leaves (chosen by `sparse`) take `IndexedSlices` gradients. Their
     aggregate is per row: SUM adds each row, MEAN divides each row by the number of
-    accepted gradients that touched it (not by `count`). Duplicate ids within one
+    accepted gradients that touched it (not by `count`). With the extra argument
+    `weight` (a non-negative scalar per gradient, 1 if omitted), each row is the sum of
+    `weight * row` over those gradients, and MEAN divides it by the sum of their
+    weights (a row whose weights sum to 0 releases zeros). A release still comes after
+    `num_required` accepted gradients, whatever their weights. Duplicate ids within one
     gradient are summed and count once; ids (of any integer dtype) outside `[0, rows)`
     are padding and ignored. Each sparse leaf holds at most `capacity` distinct rows:
     a gradient that would exceed it in any leaf is rejected whole and counted in
@@ -573,6 +610,12 @@ def sparse_conditional_accumulator(
         leaf must have at least one row.
       skip_nonfinite: if True, a gradient holding any NaN or Inf is skipped and counted
         in `num_nonfinite`; by default it is accumulated as given, as TF does.
+      should_skip_update_fn: optional rule with `optax.MultiSteps`' signature,
+        `(updates, gradient_step, params) -> bool` (or its pair of a bool and a
+        debugging tree, which is discarded), called with the gradient as given
+        (`IndexedSlices` leaves included: mind their indices), `global_step` and
+        `params`. A fresh gradient it skips is neither accumulated nor counted as
+        accepted, and is counted in `num_skipped`; nothing else changes.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -582,7 +625,9 @@ def sparse_conditional_accumulator(
       TypeError / ValueError: for a bad argument, naming it; at `init`, for a bad
         `sparse` tree or a sparse leaf without rows; at trace time, for
         gradients whose structure, kinds (sparse or dense), shapes or dtypes do not
-        match, and for a bad `local_step`.
+        match, for a bad `local_step`, for a non-scalar `weight` or a concrete one
+        that is negative or not finite (a traced one is skipped and counted in
+        `num_skipped`), and for a rule that does not return a bool scalar.
 
     Example:
       >>> import jax.numpy as jnp, optax_accum
@@ -598,6 +643,11 @@ def sparse_conditional_accumulator(
       ([0, 1, 4], [[-0.5, -0.5], [-0.0, -2.0], [-3.0, -0.0]])
       >>> optax_accum.apply_updates(table, u)[:, 0].tolist()
       [-0.5, 0.0, 0.0, 0.0, -3.0]
+      >>> # Weighted: row 0 is (1 * 1 + 3 * 3) / (1 + 3), row 4 is (3 * 2) / 3.
+      >>> _, state = tx.update(grad([0], [[1.0, 1.0]]), state, weight=1)
+      >>> u, state = tx.update(grad([0, 4], [[3.0, 3.0], [2.0, 2.0]]), state, weight=3)
+      >>> u.indices.tolist(), u.values[:2].tolist()
+      ([0, 4, 5], [[-2.5, -2.5], [-2.0, -2.0]])
     """
     inner = _extra_args.forward_to("inner", inner)
     required = _counters.num_required_fn(num_required)
@@ -605,6 +655,7 @@ def sparse_conditional_accumulator(
     mean = _checks.canonical_reduction(reduction) == "mean"
     axis_name = _checks.require_axis_name("axis_name", axis_name)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
+    skip_rule = _sums.require_skip_rule(should_skip_update_fn)
     if sparse is not None and not callable(sparse):
         jax.tree.map(lambda m: _checks.require_bool("sparse", m), sparse)
 
@@ -617,6 +668,7 @@ def sparse_conditional_accumulator(
             count=_counters.int32(0),
             num_dropped=_counters.int32(0),
             num_nonfinite=_counters.int32(0),
+            num_skipped=_counters.int32(0),
             num_overflowed=_counters.int32(0),
             num_out_of_range=_counters.int32(0),
             emitted=jnp.asarray(False),
@@ -634,17 +686,21 @@ def sparse_conditional_accumulator(
         params: optax.Params | None = None,
         *,
         local_step: Any = None,
+        weight: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
         _checks.require_state(state, SparseConditionalAccumulatorState)
         _extra_args.warn_misspelled(extra_args)
         _check_updates(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
+        w, weight_ok = _sums.weight_or_none(weight)
         fresh = step >= state.global_step
         grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
         finite = _all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True)
-        offered = fresh & finite
+        rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
+        kept = weight_ok if rule is None else weight_ok & ~rule
+        offered = fresh & finite & kept
         # Every IndexedSlices as int32 row ids, ids outside the table as the padding id:
         # exact for ids of every integer dtype. Out-of-range ids cannot raise under jit:
         # they are ignored and counted.
@@ -671,23 +727,29 @@ def sparse_conditional_accumulator(
                     slices[i] = (ids, sums.astype(g.values.dtype) if _is_buffer(a) else sums)
             stacked = [tuple(_gather(x, axis_name) for x in slices[i]) for i in sparse_at]
             me = lax.axis_index(axis_name)
-            offers = _gather(offered, axis_name)
+            if w is None:
+                offers, weights = _gather(offered, axis_name), None
+            else:  # one all-gather for both
+                both = _gather(jnp.stack([offered.astype(w.dtype), w]), axis_name)
+                offers, weights = both[:, 0] > 0, both[:, 1]
         else:
             stacked = [jax.tree.map(lambda x: x[None], slices[i]) for i in sparse_at]
             me = 0
-            offers = offered[None]
-        buffers, taken, overflowed = _insert_all([accs[i] for i in sparse_at], stacked, offers)
+            offers, weights = offered[None], None if w is None else w[None]
+        buffers, taken, overflowed = _insert_all(
+            [accs[i] for i in sparse_at], stacked, offers, weights
+        )
         accepted, overflow = taken[me], overflowed[me]
         for i, buf in zip(sparse_at, buffers, strict=True):
             accs[i] = buf
         accs = [
-            a if _is_buffer(a) else _add_dense(accepted, a, g, s)
+            a if _is_buffer(a) else _add_dense(accepted, a, g, s, w)
             for a, g, s in zip(accs, grads, slices, strict=True)
         ]
         accumulator = jax.tree.unflatten(
             jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
         )
-        flags = [accepted, ~fresh, fresh & ~finite, overflow]
+        flags = [accepted, ~fresh, fresh & ~finite, overflow, fresh & finite & ~kept]
         arrived = jnp.stack(
             [f.astype(jnp.int32) for f in flags] + [jnp.where(accepted, out_of_range, 0)]
         )
@@ -721,8 +783,9 @@ def sparse_conditional_accumulator(
             count=jnp.where(emit, 0, count),
             num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
             num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
+            num_skipped=_counters.saturating_add(state.num_skipped, arrived[4]),
             num_overflowed=_counters.saturating_add(state.num_overflowed, arrived[3]),
-            num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[4]),
+            num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[5]),
             emitted=emit,
             accumulator=accumulator,
             inner_state=inner_state,

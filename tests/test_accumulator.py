@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import ConditionalAccumulatorState, _compat, conditional_accumulator
+from optax_accum import _compat, conditional_accumulator
 
 
 def _feeder(tx, params):
@@ -378,7 +378,7 @@ def test_shared_accumulator_under_shard_map():
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     tx = conditional_accumulator(optax.sgd(1.0), num_required=10, axis_name="d")
     state = tx.init(jnp.zeros(2))
-    spec = ConditionalAccumulatorState(P(), P(), P(), P(), P(), P("d"), P())
+    spec = jax.tree.map(lambda _: P(), state)._replace(accumulator=P("d"))
     state = state._replace(accumulator=jnp.zeros(16))  # per-replica sums, stacked
 
     def body(g, s, ls):

@@ -464,13 +464,13 @@ def test_axis_name_on_eight_devices_matches_the_reference():
     )
     params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros((1,))}
     state = tx.init(params)
-    per_replica = DenseRows(jnp.zeros((n,)), jnp.zeros((n,), jnp.int32))
+    per_replica = DenseRows(jnp.zeros((n,)), jnp.zeros((n,), jnp.int32), jnp.zeros((n,)))
     state = state._replace(accumulator={**state.accumulator, "d": per_replica})
     state_spec = jax.tree.map(lambda _: P(), state)
     state_spec = state_spec._replace(
         accumulator={
             "e": jax.tree.map(lambda _: P(), state.accumulator["e"]),
-            "d": DenseRows(P("i"), P("i")),
+            "d": DenseRows(P("i"), P("i"), P("i")),
         }
     )
     out_spec = {"e": IndexedSlices(P(), P(), (ROWS, 2)), "d": P()}
