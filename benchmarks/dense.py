@@ -256,7 +256,7 @@ def report_rows(scale: Any) -> tuple[list, dict]:
     from benchmarks._report import Row
 
     sizes = ["64K"] if scale.quick else (["8M", "268M"] if scale.accelerator else ["8M"])
-    rounds = 1 if scale.quick else 7
+    rounds = 1 if scale.quick else 5
     where = backend()
     cases = [(size, pattern) for size in sizes for pattern in PATTERNS]
     results: dict[str, dict] = {size: {} for size in sizes}
