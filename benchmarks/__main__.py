@@ -1,6 +1,6 @@
 """Every figure the README and benchmarks/README.md quote, in one command.
 
-    python -m benchmarks --out DIR            # about 15 minutes on 2 CPU cores
+    python -m benchmarks --out DIR            # every benchmark
     python -m benchmarks --quick --out DIR    # tiny sizes: a smoke test, a few minutes
 
 Runs every benchmark registered in `BENCHMARKS` on whatever backend JAX has (on a GPU
