@@ -33,6 +33,7 @@ import json
 import pathlib
 import platform
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,84 @@ def _step_cost(size: int = 2_000_000, rounds: int = 11, reps: int = 5) -> list[d
     ]
 
 
+def run(
+    steps: int = 1024,
+    batch: int = 16,
+    lr: float = LEARNING_RATE,
+    seeds: tuple[int, ...] = (0, 1, 2),
+    cost_size: int = 2_000_000,
+    cost_rounds: int = 11,
+    progress: bool = True,
+) -> tuple[dict, list[list[Result]], list[list[Result]]]:
+    """Every figure: the report `main` writes, and the runs behind it (per seed)."""
+    if steps % 16:
+        raise ValueError(f"steps must be a multiple of 16 (whole rounds), got {steps}")
+    selected = methods(lr)
+    per_seed = [study(Sizes(steps=steps, batch=batch, seed=s), selected, progress) for s in seeds]
+    rows = _summarise(per_seed)
+
+    # Why TF's default falls short: the same method with 4x the examples.
+    tf_p4 = next(m for m in selected if m.name == TF_P4)
+    longer = dataclasses.replace(tf_p4, name=f"{TF_P4}, 4x examples")
+    per_seed_long = [
+        study(Sizes(steps=4 * steps, batch=batch, seed=s), [longer], progress) for s in seeds
+    ]
+    (long_row,) = _summarise(per_seed_long)
+    config = {"steps": steps, "batch": batch, "lr": lr, "seeds": list(seeds)}
+    report = {
+        "config": config | {"workers": WORKERS, "devices": len(jax.devices())},
+        "machine": platform.platform(),
+        "methods": [*rows, long_row],
+        "step_cost": _step_cost(cost_size, cost_rounds),
+        "curves_seed0": [dataclasses.asdict(r) for r in [*per_seed[0], per_seed_long[0][0]]],
+    }
+    return report, per_seed, per_seed_long
+
+
+def report_rows(scale: Any) -> tuple[list, dict]:
+    """The figures for `python -m benchmarks` (its `agn.png` goes next to the report)."""
+    from benchmarks._report import Row
+
+    if scale.quick:
+        report, per_seed, long = run(32, 8, seeds=(0,), cost_size=20_000, cost_rounds=2)
+    else:
+        report, per_seed, long = run()
+    methods_ = report["methods"]
+    sync = next(r for r in methods_ if r["method"] == SYNC)
+    rows = []
+    for r in methods_:
+        gap = 100 * (r["accuracy_mean"] - sync["accuracy_mean"])
+        rows.append(Row("agn", r["method"], "test accuracy", 100 * r["accuracy_mean"], "%"))
+        if r is sync:
+            continue
+        rows.append(
+            Row.checked(
+                "agn",
+                r["method"],
+                "accuracy - sync SGD's",
+                gap,
+                (-1.0, "min") if r["method"] == SCALED_P4 else None,
+                unit="pp",
+            )
+        )
+        rows.append(
+            Row.checked(
+                "agn",
+                r["method"],
+                "all-reduces, sync SGD / this",
+                sync["all_reduces"] / r["all_reduces"],
+                (4.0, "min") if r["method"] == SCALED_P4 else None,
+            )
+        )
+    for c in report["step_cost"]:
+        rows.append(Row("agn", c["step"], "step time / plain Adam's", c["ratio"]))
+    out = scale.options.get("out")
+    if out is not None:
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        _plot(per_seed[0], long[0][0], report["config"]["batch"], pathlib.Path(out) / "agn.png")
+    return rows, report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1024, help="local steps per worker")
@@ -230,21 +309,10 @@ def main() -> None:
     if args.steps % 16:
         parser.error("--steps must be a multiple of 16 (whole rounds for every period)")
 
-    selected = methods(args.lr)
-    per_seed = [
-        study(Sizes(steps=args.steps, batch=args.batch, seed=s), selected) for s in args.seeds
-    ]
-    rows = _summarise(per_seed)
+    report, per_seed, per_seed_long = run(args.steps, args.batch, args.lr, tuple(args.seeds))
+    rows, long_row = report["methods"][:-1], report["methods"][-1]
     by_name = {r["method"]: r for r in rows}
     sync = by_name[SYNC]
-
-    # Why TF's default falls short: the same method with 4x the examples.
-    tf_p4 = next(m for m in selected if m.name == TF_P4)
-    longer = dataclasses.replace(tf_p4, name=f"{TF_P4}, 4x examples")
-    per_seed_long = [
-        study(Sizes(steps=4 * args.steps, batch=args.batch, seed=s), [longer]) for s in args.seeds
-    ]
-    (long_row,) = _summarise(per_seed_long)
 
     print(f"\n{len(jax.devices())} devices, {args.steps} steps x {args.batch} examples per worker")
     print(f"lr {args.lr}, seeds {args.seeds}\n")
@@ -257,20 +325,12 @@ def main() -> None:
         f" pp with {long_row['all_reduces']} all-reduces (sync SGD: {sync['all_reduces']})"
     )
 
-    cost = _step_cost()
     print("\nStep cost, 2M float32 params, one device (what agn adds to a step):")
-    for c in cost:
+    for c in report["step_cost"]:
         print(f"  {c['step']:32s} {c['ms']:7.2f} ms  {c['ratio']:.2f}x")
 
     RESULTS.mkdir(exist_ok=True)
     _plot(per_seed[0], per_seed_long[0][0], args.batch, RESULTS / "agn.png")
-    report = {
-        "config": vars(args) | {"workers": WORKERS, "devices": len(jax.devices())},
-        "machine": platform.platform(),
-        "methods": [*rows, long_row],
-        "step_cost": cost,
-        "curves_seed0": [dataclasses.asdict(r) for r in [*per_seed[0], per_seed_long[0][0]]],
-    }
     (RESULTS / "agn.json").write_text(json.dumps(report, indent=1))
     print(f"\nwrote {RESULTS / 'agn.json'} and {RESULTS / 'agn.png'}")
 

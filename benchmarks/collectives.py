@@ -69,8 +69,8 @@ def tree(n: int = LEAVES) -> dict[str, jax.Array]:
     }
 
 
-def _mesh_1d() -> Mesh:
-    return Mesh(np.array(jax.devices()[:8]), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+def _mesh_1d(devices: list) -> Mesh:
+    return Mesh(np.array(devices[:8]), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _cross_shard_step(tx: Any, mesh: Mesh, axes: Any, grads: Any):
@@ -149,18 +149,21 @@ def _cells(counts: dict[str, dict[str, int]]) -> list[str]:
     return cells
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
-    parser.add_argument("--calls", type=int, default=5, help="calls per round")
-    args = parser.parse_args()
-    if len(jax.devices()) < 8:
-        raise SystemExit(f"needs 8 devices, found {len(jax.devices())} (set XLA_FLAGS)")
+def eight_devices() -> list:
+    """8 devices: the default backend's, else (one GPU, say) the simulated CPU ones."""
+    for devices in (jax.devices(), jax.devices("cpu")):
+        if len(devices) >= 8:
+            return devices[:8]
+    raise SystemExit(f"needs 8 devices, found {len(jax.devices())} (set XLA_FLAGS)")
 
-    grads = tree()
+
+def run(leaves: int = LEAVES, rounds: int = 15, calls: int = 5, devices: Any = None) -> dict:
+    """Every figure: per variant, the collectives emitted and compiled, and the times."""
+    devices = devices or eight_devices()
+    grads = tree(leaves)
     payload = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(grads))
-    mesh = _mesh_1d()
-    group_mesh = optax_accum.replica_group_mesh(GROUPS_2x4)
+    mesh = _mesh_1d(devices)
+    group_mesh = optax_accum.replica_group_mesh(GROUPS_2x4, devices=devices)
     bf16 = jnp.bfloat16
     # name -> (axis_name, cross_shard options); "replica" is the inner axis of the
     # replica_group_mesh, reduced under a shard_map over both of its axes.
@@ -183,7 +186,7 @@ def main() -> None:
         lowered, fn, arg = _cross_shard_step(tx, m, axes, grads)
         rows[name] = _summary(lowered, fn)
         compiled[name] = (fn, arg)
-    times = _time(compiled, args.rounds, args.calls)
+    times = _time(compiled, rounds, calls)
     base = times["per leaf, float32"]
     for name, row in rows.items():
         row["seconds"] = times[name]
@@ -199,6 +202,46 @@ def main() -> None:
     }
     for name, (lowered, fn) in stateful.items():
         rows[name] = _summary(lowered, fn)
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, 8 {devices[0].platform} devices",
+        "jax": jax.__version__,
+        "leaves": leaves,
+        "payload_bytes_per_replica": payload,
+        "rows": rows,
+    }
+
+
+def report_rows(scale: Any) -> tuple[list, dict]:
+    """The figures for `python -m benchmarks`: per variant, the all-reduces and bytes
+    JAX emits on every step and on a release, and the time against per-leaf float32."""
+    from benchmarks._report import Row
+
+    out = run(20, 1, 1) if scale.quick else run()
+    rows = []
+    for name, r in out["rows"].items():
+        every, taken = r["emitted"]["every_step"], r["emitted"]["when_taken"]
+        ops = sum(every.get(k, 0) for k in ("all-reduce", "collective-permute"))
+        nbytes = sum(every.get(f"{k} bytes", 0) for k in ("all-reduce", "collective-permute"))
+        rows.append(Row("collectives", name, "collectives emitted per step", ops, "ops"))
+        rows.append(Row("collectives", name, "bytes emitted per step", nbytes / 1e3, "kB"))
+        extra = sum(taken.get(k, 0) for k in ("all-reduce", "collective-permute"))
+        if extra:
+            rows.append(Row("collectives", name, "more on a release / sync", extra, "ops"))
+        if "time_vs_per_leaf" in r:
+            rows.append(Row("collectives", name, "time / per leaf float32", r["time_vs_per_leaf"]))
+    return rows, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    parser.add_argument("--calls", type=int, default=5, help="calls per round")
+    args = parser.parse_args()
+    if len(jax.devices()) < 8:
+        raise SystemExit(f"needs 8 devices, found {len(jax.devices())} (set XLA_FLAGS)")
+    out = run(LEAVES, args.rounds, args.calls, jax.devices())
+    rows, payload = out["rows"], out["payload_bytes_per_replica"]
 
     head = (
         "variant",
@@ -228,14 +271,6 @@ def main() -> None:
         print(fmt(line))
 
     RESULTS.mkdir(exist_ok=True)
-    out = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, 8 simulated devices",
-        "jax": jax.__version__,
-        "leaves": LEAVES,
-        "payload_bytes_per_replica": payload,
-        "rows": rows,
-    }
     (RESULTS / "collectives.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / 'collectives.json'}")
 

@@ -250,6 +250,47 @@ def report(size: str, results: dict[str, dict], dtype: str = "float32") -> None:
     )
 
 
+def report_rows(scale: Any) -> tuple[list, dict]:
+    """The figures for `python -m benchmarks`: float32, every pattern, 8M (and 268M on
+    an accelerator; 64K with `scale.quick`)."""
+    from benchmarks._report import Row
+
+    sizes = ["64K"] if scale.quick else (["8M", "268M"] if scale.accelerator else ["8M"])
+    rounds = 1 if scale.quick else 5
+    where = backend()
+    cases = [(size, pattern) for size in sizes for pattern in PATTERNS]
+    results: dict[str, dict] = {size: {} for size in sizes}
+    rows = []
+    for size, pattern in scale.progress(cases, desc="dense"):
+        r = results[size][pattern] = bench_pattern(pattern, SIZES[size], rounds)
+        case = f"{size} {pattern}"
+        rows += [
+            Row.checked(
+                "dense",
+                case,
+                "held step / `acc + g`",
+                r["held_vs_floor"],
+                TARGETS.get((where, size, pattern, "held_vs_floor")),
+            ),
+            Row("dense", case, "MultiSteps' held step / `acc + g`", r["base_held_vs_floor"]),
+            Row.checked(
+                "dense",
+                case,
+                "cycle of 8, MultiSteps / ours",
+                r["cycle_speedup"],
+                TARGETS.get((where, size, pattern, "cycle_speedup")),
+            ),
+            Row("dense", case, "ours, per step in a cycle", r["ours_cycle_ms"], unit="ms"),
+            Row("dense", case, "temporaries, ours / MultiSteps", _ratio(r)),
+        ]
+    details = {"rounds": rounds, "leaves": LEAVES, "every": EVERY, "results": results}
+    return rows, details
+
+
+def _ratio(r: dict) -> float:
+    return r["ours_temp_bytes"] / max(r["base_temp_bytes"], 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")

@@ -274,6 +274,100 @@ def tf_in_process() -> Any:
 # --------------------------------------------------------------------------- main
 
 
+def run(
+    tf_python: str | None = None,
+    rounds: int = 5,
+    k: dict[str, int] | None = None,
+    only: str = "",
+    sync_cpu: bool = False,
+    progress: Any = None,
+) -> dict:
+    """Every figure: rates per workload for both sides (TF's when it can run), as
+    medians over `rounds` interleaved rounds after a warm-up round."""
+    k = k or {"dense": 100, "sparse": 50}
+    ours = Ours(sync_cpu=sync_cpu)
+    print(f"optax_accum from {Path(ours.lib.__file__).parent}")
+    tf = RemoteTF(tf_python) if tf_python else tf_in_process()
+    if tf is None:
+        print("TensorFlow is not importable here and --tf-python was not given: no ratios.")
+    grads = {kind: gradients(kind) for kind in ("dense", "sparse")}
+    cases = [(kind, op, t) for kind, op, t in CASES if only in f"{kind}_{op}_{t}t"]
+    samples: dict[str, dict[str, list[float]]] = {
+        f"{kind}_{op}_{t}t": {"ours": [], "tf": []} for kind, op, t in cases
+    }
+    work = [(r, c) for r in range(rounds + 1) for c in cases]
+    try:
+        # Round 0 warms up (compilations, allocator, buffer growth) and is discarded.
+        for round_, (kind, op, t) in progress(work, desc="host") if progress else work:
+            key = f"{kind}_{op}_{t}t"
+            rate = measure(ours, kind, op, t, k[kind], grads[kind])
+            theirs = tf.measure(kind, op, t, k[kind]) if tf is not None else None
+            if round_:
+                samples[key]["ours"].append(rate)
+                samples[key]["tf"].append(theirs)
+    finally:
+        if tf is not None:
+            tf.close()
+
+    unit = {"apply": "grads/s", "take": "takes/s"}
+    figures = {}
+    for kind, op, t in cases:
+        key = f"{kind}_{op}_{t}t"
+        mine = statistics.median(samples[key]["ours"])
+        figures[key] = {"unit": unit[op], "optax_accum": mine}
+        if tf is not None:
+            theirs = statistics.median(samples[key]["tf"])
+            paired = statistics.median(
+                a / b for a, b in zip(samples[key]["ours"], samples[key]["tf"], strict=True)
+            )
+            figures[key].update(tensorflow=theirs, ratio=mine / theirs, paired_ratio=paired)
+    return {
+        "script": "host.py",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
+        "tensorflow": tf.version if tf is not None else None,
+        "optax_accum": ours.lib.__file__,
+        "setup": {
+            "dense_size": DENSE_SIZE,
+            "sparse": {"rows": ROWS, "row_dim": ROW_DIM, "nnz": NNZ, "pool": POOL},
+            "rounds": rounds,
+            "per_thread": k,
+            "jax_cpu_enable_async_dispatch": not sync_cpu,
+        },
+        "figures": figures,
+        "samples": samples,
+    }
+
+
+def report_rows(scale: Any) -> tuple[list, dict]:
+    """The figures for `python -m benchmarks`: our rates, and ours / TF's (paired) when
+    `--tf-python` names a Python with TensorFlow (or TF is importable here)."""
+    from benchmarks._report import Row
+
+    k = {"dense": 4, "sparse": 4} if scale.quick else {"dense": 100, "sparse": 50}
+    out = run(
+        scale.options.get("tf_python"),
+        1 if scale.quick else 5,
+        k,
+        progress=scale.progress,
+    )
+    rows = []
+    for key, f in out["figures"].items():
+        kind, op, threads = key.split("_")
+        case = f"{kind} {op}, {threads[:-1]} thread{'s' if threads != '1t' else ''}"
+        rows.append(Row("host", case, "ours", f["optax_accum"], f["unit"]))
+        if "paired_ratio" in f:
+            rows.append(
+                Row.checked("host", case, "ours / TF (paired)", f["paired_ratio"], (1.0, "min"))
+            )
+    return rows, out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tf-python", help="a Python interpreter that can import tensorflow")
@@ -293,73 +387,18 @@ def main() -> None:
         tf_worker()
         return
 
-    ours = Ours(sync_cpu=args.sync_cpu)
-    print(f"optax_accum from {Path(ours.lib.__file__).parent}")
-    tf = RemoteTF(args.tf_python) if args.tf_python else tf_in_process()
-    if tf is None:
-        print("TensorFlow is not importable here and --tf-python was not given: no ratios.")
-    grads = {kind: gradients(kind) for kind in ("dense", "sparse")}
     k = {"dense": args.dense_k, "sparse": args.sparse_k}
-    cases = [(kind, op, t) for kind, op, t in CASES if args.only in f"{kind}_{op}_{t}t"]
-    samples: dict[str, dict[str, list[float]]] = {
-        f"{kind}_{op}_{t}t": {"ours": [], "tf": []} for kind, op, t in cases
-    }
-    try:
-        # Round 0 warms up (compilations, allocator, buffer growth) and is discarded.
-        for round_ in range(args.rounds + 1):
-            for kind, op, t in cases:
-                key = f"{kind}_{op}_{t}t"
-                rate = measure(ours, kind, op, t, k[kind], grads[kind])
-                theirs = tf.measure(kind, op, t, k[kind]) if tf is not None else None
-                if round_:
-                    samples[key]["ours"].append(rate)
-                    samples[key]["tf"].append(theirs)
-    finally:
-        if tf is not None:
-            tf.close()
-
-    unit = {"apply": "grads/s", "take": "takes/s"}
+    report = run(args.tf_python, args.rounds, k, args.only, args.sync_cpu)
     print(
         f"{'workload':<24}{'optax_accum':>12}{'tensorflow':>12}{'ratio':>7}{'paired':>8}"
         "  (median rates; paired = median of per-round ratios; target >= 1.0)"
     )
-    figures = {}
-    for kind, op, t in cases:
-        key = f"{kind}_{op}_{t}t"
-        mine = statistics.median(samples[key]["ours"])
-        figures[key] = {"unit": unit[op], "optax_accum": mine}
-        line = f"{key + ' ' + unit[op]:<24}{mine:>12.1f}"
-        if tf is not None:
-            theirs = statistics.median(samples[key]["tf"])
-            paired = statistics.median(
-                a / b for a, b in zip(samples[key]["ours"], samples[key]["tf"], strict=True)
-            )
-            figures[key].update(tensorflow=theirs, ratio=mine / theirs, paired_ratio=paired)
-            met = "met" if paired >= 1.0 else "NOT met"
-            line += f"{theirs:>12.1f}{mine / theirs:>7.2f}{paired:>8.2f}  {met}"
+    for key, f in report["figures"].items():
+        line = f"{key + ' ' + f['unit']:<24}{f['optax_accum']:>12.1f}"
+        if "paired_ratio" in f:
+            met = "met" if f["paired_ratio"] >= 1.0 else "NOT met"
+            line += f"{f['tensorflow']:>12.1f}{f['ratio']:>7.2f}{f['paired_ratio']:>8.2f}  {met}"
         print(line)
-
-    report = {
-        "script": "host.py",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
-        },
-        "tensorflow": tf.version if tf is not None else None,
-        "optax_accum": ours.lib.__file__,
-        "setup": {
-            "dense_size": DENSE_SIZE,
-            "sparse": {"rows": ROWS, "row_dim": ROW_DIM, "nnz": NNZ, "pool": POOL},
-            "rounds": args.rounds,
-            "per_thread": k,
-            "jax_cpu_enable_async_dispatch": not args.sync_cpu,
-        },
-        "figures": figures,
-        "samples": samples,
-    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -222,6 +222,35 @@ def check_lowering(sizes: tuple[int, ...]) -> dict:
     return out
 
 
+def report_rows(scale: Any) -> tuple[list, dict]:
+    """The figures for `python -m benchmarks`: 1M rows (and 10M on an accelerator; 10k
+    rows with `scale.quick`)."""
+    from benchmarks._report import Row
+
+    backend = jax.default_backend()
+    sizes = (10_000,) if scale.quick else SIZES["accelerator" if scale.accelerator else "cpu"]
+    rounds = 1 if scale.quick else 5
+    results, rows = {}, []
+    for n in scale.progress(sizes, desc="sparse"):
+        figures = results[str(n)] = measure(n, rounds)
+        targets, ratios = targets_for(backend, n), figures["ratios"]
+        case = f"{n:,} x {DIM}"
+        labels = {
+            "train_step_speedup_vs_multisteps": "train step, MultiSteps / ours",
+            "update_speedup_vs_multisteps": "update, MultiSteps / ours",
+            "state_bytes_vs_multisteps": "state bytes, ours / MultiSteps",
+        }
+        for key, label in labels.items():
+            rows.append(Row.checked("sparse", case, label, ratios[key], targets.get(key)))
+        for key, label in (
+            ("seconds_per_train_step", "train step"),
+            ("seconds_per_update", "update"),
+        ):
+            rows.append(Row("sparse", case, f"{label}, ours", 1e3 * figures[key]["sparse"], "ms"))
+    setup = {"dim": DIM, "nnz": NNZ, "every": EVERY, "capacity": CAPACITY, "rounds": rounds}
+    return rows, {"setup": setup, "by_rows": results}
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per contender")

@@ -26,6 +26,7 @@ the parameters untouched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -279,25 +280,33 @@ def _run_if(
 # --------------------------------------------------------------------------- zeros
 
 
+# Leaves with fewer elements get plain zeros in `unmerged_zeros`: XLA:CPU spends about
+# as long compiling a leaf's own broadcast kernel (milliseconds) as copying a small
+# leaf from a shared zero buffer costs over thousands of steps (benchmarks/NOTES.md,
+# "Compile time").
+_UNMERGED_MIN_SIZE = 1 << 14
+
+
 def unmerged_zeros(like: Any, salt: jax.Array) -> Any:
-    """Zeros shaped like `like`, each leaf written by its own broadcast.
+    """Zeros shaped like `like`, each large leaf written by its own broadcast.
 
     XLA merges equal broadcasts of the constant 0 into one buffer and then copies it
     into every output leaf. Leaf i broadcasts `(max(salt, 0) >> 31) & (i + 1)`
     instead: 0 for every int32 `salt`, but a different run-time value to XLA for each
     leaf, so nothing is merged or copied. `salt` is a replicated scalar, so sharded
     leaves need no collective; leaves that must not vary over mesh axes that `salt`
-    varies over get plain zeros.
+    varies over get plain zeros, and so do leaves of fewer than `_UNMERGED_MIN_SIZE`
+    elements, whose copy costs less than compiling a kernel for each.
     """
     high = jnp.maximum(salt.astype(jnp.int32), 0) >> 31
     leaves, treedef = jax.tree.flatten(like)
 
     def zeros(i: int, s: Any) -> jax.Array:
-        if _compat.varying_axes(high) - _compat.varying_axes(s):
-            return jnp.zeros(s.shape, s.dtype, out_sharding=_compat.explicit_sharding(s))
-        return jnp.broadcast_to(
-            (high & (i + 1)).astype(s.dtype), s.shape, out_sharding=_compat.explicit_sharding(s)
-        )
+        small = math.prod(s.shape) < _UNMERGED_MIN_SIZE
+        sharding = _compat.explicit_sharding(s)
+        if small or _compat.varying_axes(high) - _compat.varying_axes(s):
+            return jnp.zeros(s.shape, s.dtype, out_sharding=sharding)
+        return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape, out_sharding=sharding)
 
     return treedef.unflatten([zeros(i, s) for i, s in enumerate(leaves)])
 

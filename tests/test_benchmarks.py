@@ -1,21 +1,70 @@
-"""benchmarks/dense.py runs as documented and reports every pattern (at a smoke size:
-its timings mean nothing here; the figures live in benchmarks/README.md)."""
+"""The benchmarks run as documented and report every figure (at smoke sizes: their
+timings mean nothing here; the figures live in benchmarks/README.md)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import pathlib
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_benchmark_reports_every_pattern(tmp_path, dtype):
+def test_one_command_writes_every_benchmarks_report(tmp_path):
+    """`python -m benchmarks --quick` runs every registered benchmark and writes the
+    JSON, markdown and PNG reports, each naming the device, the jax version and the date."""
+    import jax
+
+    from benchmarks.__main__ import BENCHMARKS
+    from benchmarks.compile_time import TRANSFORMS
+    from benchmarks.dense import PATTERNS
+
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    machine = report["machine"]
+    assert machine["jax"] == jax.__version__ and machine["device_kind"]
+    taken = datetime.datetime.fromisoformat(machine["date"])
+    assert abs(datetime.datetime.now(datetime.UTC) - taken) < datetime.timedelta(hours=1)
+    assert report["quick"] and report["optax_accum"] == str(ROOT / "optax_accum")
+    assert list(report["benchmarks"]) == list(BENCHMARKS)
+    cases = {}
+    for name, bench in report["benchmarks"].items():
+        assert "error" not in bench, (name, bench.get("error"))
+        assert bench["rows"], name
+        for row in bench["rows"]:
+            assert row["benchmark"] == name and math.isfinite(row["value"]), row
+        cases[name] = {r["case"] for r in bench["rows"]}
+    assert cases["dense"] == {f"64K {p}" for p in PATTERNS}
+    assert cases["compile_time"] == set(TRANSFORMS)
+    assert "sync SGD (cross_shard_optimizer)" in cases["agn"]
+    assert {"per leaf, float32", "pack", "agn(sgd, 4, axis_name)"} <= cases["collectives"]
+    assert {"dense apply, 1 thread", "sparse take, 4 threads"} <= cases["host"]
+    assert cases["sparse"] == {"10,000 x 64"}
+
+    table = (tmp_path / "report.md").read_text()
+    for text in (machine["device_kind"], f"jax {jax.__version__}", machine["date"]):
+        assert text in table
+    for name in BENCHMARKS:
+        assert f"## {name}" in table
+    assert "| 64K apply_gradients | cycle of 8, MultiSteps / ours |" in table
+    png = (tmp_path / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert (tmp_path / "agn.png").exists()
+
+
+def test_dense_benchmark_reports_every_pattern_in_bfloat16(tmp_path):
+    """The script's own command line (float32 runs in the test above)."""
+    dtype = "bfloat16"
     out = tmp_path / "dense.json"
     cmd = [
         sys.executable,
