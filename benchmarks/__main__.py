@@ -58,6 +58,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "benchmarks.sparse",
         "Is `sparse_conditional_accumulator` the fast way to accumulate embedding gradients?",
     ),
+    "sharded": Benchmark(
+        "benchmarks.sharded",
+        "Under `jax.jit` on a (data=2, fsdp=4) mesh with FSDP-sharded params, is the "
+        "held step still an `acc + g` pass, and the state no bigger than MultiSteps'?",
+    ),
     "compile_time": Benchmark(
         "benchmarks.compile_time",
         "Does a holding transform, or a nest of three, compile as fast as `optax.MultiSteps`?",
