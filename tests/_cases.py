@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,3 +333,13 @@ def scan_run(case: Case, steps: int, *, tx: Any = None, axis: str = "replicas") 
         params, state = jax.jit(fn)(params, grads, extras)
         return first(params), first(state)
     return jax.jit(many)(params, grads, extras)
+
+
+def examples(thorough: int) -> int:
+    """A property test's Hypothesis example count under the profile in use.
+
+    `thorough` under `--hypothesis-profile thorough` (100 examples by default), a
+    quarter of it under "ci", the default profile (25), at least 4: the profiles
+    (conftest.py) set how many, each test how many relative to the others.
+    """
+    return max(4, round(thorough * hypothesis.settings.default.max_examples / 100))
