@@ -19,6 +19,7 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -266,6 +267,32 @@ def step_inputs(case: Case, i: int, poison: frozenset[int]) -> Any:
     return _nan_like(grads) if i in poison else grads
 
 
+@functools.cache
+def _cached_step(case: Case, tx: Any, axis: str | None) -> tuple[Any, Callable]:
+    tx = tx if tx is not None else case.make(axis)
+
+    def step(params, state, grads, extra):
+        updates, state = tx.update(grads, state, params, **extra)
+        return case.apply_updates(params, updates), state, updates
+
+    if case.needs_axis:
+        return tx, jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name=axis))
+    return tx, jax.jit(step)
+
+
+def _jitted_step(case: Case, tx: Any, axis: str) -> tuple[Any, Callable]:
+    """(tx, its jitted step) for `case`: `case.make(...)` when `tx` is None.
+
+    One per (case, tx, axis) in a test process, so the many trajectories the suites
+    run of one case (any length, poisoned or clean) share one compiled program.
+    """
+    axis = axis if case.needs_axis else None
+    try:
+        return _cached_step(case, tx, axis)
+    except TypeError:  # an unhashable tx: compiled for this trajectory alone
+        return _cached_step.__wrapped__(case, tx, axis)
+
+
 def trajectory(
     case: Case,
     steps: int,
@@ -280,20 +307,13 @@ def trajectory(
     gradients. Under `needs_axis`, `REPLICAS` replicas run under
     `jax.vmap(axis_name=axis)`, and replica 0's params, state and updates come back.
     """
-    tx = tx if tx is not None else case.make(axis if case.needs_axis else None)
+    tx, fn = _jitted_step(case, tx, axis)
     params = case.params()
-
-    def step(params, state, grads, extra):
-        updates, state = tx.update(grads, state, params, **extra)
-        return case.apply_updates(params, updates), state, updates
-
     if case.needs_axis:
         params = stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
-        fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name=axis))
     else:
         state = tx.init(params)
-        fn = jax.jit(step)
     history = []
     for i in range(steps):
         params, state, updates = fn(params, state, step_inputs(case, i, poison), case.extra_args(i))
