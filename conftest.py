@@ -16,3 +16,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Property tests (Hypothesis): the "ci" profile, loaded here, sizes the example counts so
+# the README's test command fits in its time; `pytest --hypothesis-profile thorough` runs
+# four times as many. A test's own count is `_cases.examples(n)`: n under "thorough".
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=25, deadline=None)
+settings.register_profile("thorough", max_examples=100, deadline=None)
+settings.load_profile("ci")

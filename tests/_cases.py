@@ -19,9 +19,11 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,6 +267,32 @@ def step_inputs(case: Case, i: int, poison: frozenset[int]) -> Any:
     return _nan_like(grads) if i in poison else grads
 
 
+@functools.cache
+def _cached_step(case: Case, tx: Any, axis: str | None) -> tuple[Any, Callable]:
+    tx = tx if tx is not None else case.make(axis)
+
+    def step(params, state, grads, extra):
+        updates, state = tx.update(grads, state, params, **extra)
+        return case.apply_updates(params, updates), state, updates
+
+    if case.needs_axis:
+        return tx, jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name=axis))
+    return tx, jax.jit(step)
+
+
+def _jitted_step(case: Case, tx: Any, axis: str) -> tuple[Any, Callable]:
+    """(tx, its jitted step) for `case`: `case.make(...)` when `tx` is None.
+
+    One per (case, tx, axis) in a test process, so the many trajectories the suites
+    run of one case (any length, poisoned or clean) share one compiled program.
+    """
+    axis = axis if case.needs_axis else None
+    try:
+        return _cached_step(case, tx, axis)
+    except TypeError:  # an unhashable tx: compiled for this trajectory alone
+        return _cached_step.__wrapped__(case, tx, axis)
+
+
 def trajectory(
     case: Case,
     steps: int,
@@ -279,20 +307,13 @@ def trajectory(
     gradients. Under `needs_axis`, `REPLICAS` replicas run under
     `jax.vmap(axis_name=axis)`, and replica 0's params, state and updates come back.
     """
-    tx = tx if tx is not None else case.make(axis if case.needs_axis else None)
+    tx, fn = _jitted_step(case, tx, axis)
     params = case.params()
-
-    def step(params, state, grads, extra):
-        updates, state = tx.update(grads, state, params, **extra)
-        return case.apply_updates(params, updates), state, updates
-
     if case.needs_axis:
         params = stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
-        fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name=axis))
     else:
         state = tx.init(params)
-        fn = jax.jit(step)
     history = []
     for i in range(steps):
         params, state, updates = fn(params, state, step_inputs(case, i, poison), case.extra_args(i))
@@ -332,3 +353,13 @@ def scan_run(case: Case, steps: int, *, tx: Any = None, axis: str = "replicas") 
         params, state = jax.jit(fn)(params, grads, extras)
         return first(params), first(state)
     return jax.jit(many)(params, grads, extras)
+
+
+def examples(thorough: int) -> int:
+    """A property test's Hypothesis example count under the profile in use.
+
+    `thorough` under `--hypothesis-profile thorough` (100 examples by default), a
+    quarter of it under "ci", the default profile (25), at least 4: the profiles
+    (conftest.py) set how many, each test how many relative to the others.
+    """
+    return max(4, round(thorough * hypothesis.settings.default.max_examples / 100))

@@ -1,9 +1,16 @@
-"""Test ordering (the oldest-versions run starts first), and shared fixtures.
+"""Test ordering (the longest tests start first), and shared fixtures.
 
-tests/test_oldest_versions.py is one long test (a venv install, then the core tests in
-a subprocess). Collected first, it starts at once on one pytest-xdist worker while the
-other works through the rest of the suite, instead of starting last and running alone.
-(Devices and dtype promotion are set in the repository's top-level conftest.py.)
+tests/test_oldest_versions.py is one long test (the core tests in a subprocess, on
+the oldest versions). Collected first, it starts at once on one pytest-xdist worker
+while the other works through the rest of the suite, instead of starting last and
+running alone. Next come the suites whose tests each start processes (notebook
+kernels, workers, the demo, the docs build): seconds each, they are spread over the
+workers early, and the run ends on short tests that keep both workers busy to the end.
+pyproject.toml's `--maxschedchunk=1` makes pytest-xdist follow this order: each worker
+takes the next test when it is done, instead of a long run of tests queued in advance
+(which, on the oldest-versions run's worker, would wait minutes behind it).
+(Devices, dtype promotion and the Hypothesis profiles are set in the repository's
+top-level conftest.py.)
 """
 
 from __future__ import annotations
@@ -14,10 +21,36 @@ from collections.abc import Iterator
 import pytest
 
 FIRST = "tests/test_oldest_versions.py::"
+# Files whose tests take seconds each (measured with --durations), longest first.
+# The first test of a module whose fixture is shared by the workers (tests/_session.py)
+# comes early; its other tests, which read the result, stay where they are.
+EARLY = [
+    "tests/test_preemption.py::test_killed_at_every_planned_step",
+    "tests/test_orbax.py::test_restore_in_fresh_process_continues_bit_identically[conditional_accumulator]",
+    "tests/test_multihost.py::",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom",
+    "tests/test_benchmarks.py::",
+    "tests/test_demo.py::",
+    "tests/test_porting.py::",
+    "tests/test_docs.py::test_sphinx",
+]
+
+
+def _rank(item: pytest.Item) -> int:
+    if item.nodeid.startswith(FIRST):
+        return 0
+    return next((1 + i for i, p in enumerate(EARLY) if item.nodeid.startswith(p)), 1 + len(EARLY))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: order kept
+    items.sort(key=_rank)  # stable: the order within a rank is kept
+    # pytest-xdist hands each worker its next test ahead (pyproject.toml's
+    # --maxschedchunk=1 keeps it to one): the one behind the oldest-versions run waits
+    # for it, so make it a short one, the first test of the last rank.
+    if items and _rank(items[0]) == 0:
+        short = next((i for i, item in enumerate(items) if _rank(item) > len(EARLY)), None)
+        if short is not None:
+            items.insert(1, items.pop(short))
 
 
 @pytest.fixture

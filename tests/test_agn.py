@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import adam
+from _cases import adam, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -157,7 +157,7 @@ def _scan_fn(period, commit, momentum, skip):
     return run, inner, outer
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     period=st.integers(1, 5),
     commit=st.sampled_from(["gradients", "delta"]),

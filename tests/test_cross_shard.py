@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import adam
+from _cases import adam, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
@@ -94,7 +94,7 @@ def assignments(draw):
     return [perm[i : i + k] for i in range(0, 8, k)]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(groups=assignments(), seed=st.integers(0, 2**16), mean=st.booleans())
 @pytest.mark.parametrize("mapper", MAPPERS)
 def test_random_groups_match_numpy(mapper, groups, seed, mean):
@@ -106,7 +106,7 @@ def test_random_groups_match_numpy(mapper, groups, seed, mean):
         assert all(np.array_equal(out[g[0]], out[r]) for r in g)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(groups=assignments(), seed=st.integers(0, 2**16))
 @pytest.mark.parametrize(
     "method",

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cases import examples
 from _host import f32
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -393,7 +394,7 @@ ops = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(mean=st.booleans(), program=st.lists(ops, max_size=14))
 def test_matches_reference_model(mean, program):
     acc = optax_accum.ConditionalAccumulator(

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cases import examples
 from _host import f32
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -277,7 +278,7 @@ ops = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(mean=st.booleans(), program=st.lists(ops, max_size=12))
 # A take after a take whose batch reused a buffer, of a gradient with no rows: the
 # batch has no buffer to give back (found by this test on the oldest versions).
@@ -433,7 +434,7 @@ def test_a_spare_of_another_row_shape_is_not_reused():
     np.testing.assert_array_equal(values, [[1, 1, 1], [2, 2, 2]])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     mean=st.booleans(),
     limit=st.sampled_from([1, 2, 8, 1 << 22]),

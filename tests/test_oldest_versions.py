@@ -1,27 +1,36 @@
 """The core tests pass on the oldest versions pyproject.toml declares.
 
-One test: it makes a venv (`.venv-oldest` in the repository, reused while
-`oldest_versions.txt` is unchanged), installs optax_accum there with the constraints
-in `oldest_versions.txt` (jax, optax and numpy at their lower bounds) and no extras,
-checks that those versions are the ones installed, and runs the core tests in a
-subprocess: every test and doctest of the library itself, not those of the extras
-(Flax, the demo and notebooks, Orbax, the docs build) nor the multi-process suites.
-It needs the package index, as the README's install does.
+One test: it makes a venv with optax_accum's dependencies (pyproject.toml's
+`dependencies`, no extras) installed under the constraints in `oldest_versions.txt`
+(jax, optax and numpy at their lower bounds), checks that those versions are the ones
+installed, and runs the core tests in a subprocess, importing optax_accum from this
+checkout: every test and doctest of the library itself, not those of the extras (Flax,
+the demo and notebooks, Orbax, the docs build) nor the multi-process suites.
+
+The venv lives in the user's cache folder (`$XDG_CACHE_HOME` or `~/.cache`, then
+`optax_accum/venv-oldest-<key>`), keyed by what it was built from: the constraints, the
+dependencies, the test tools and the Python version. Any checkout on the same machine
+reuses it; a change to any of those builds a new one. Building it needs the package
+index, as the README's install does.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "tests" / "oldest_versions.txt"
-VENV = ROOT / ".venv-oldest"
+TEST_TOOLS = ["pytest>=8", "pytest-xdist>=3.8", "hypothesis>=6.150"]
+CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 
 # The extras' tests, the multi-process suites, and this test itself stay out.
 NOT_CORE = {
@@ -93,22 +102,38 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _dependencies() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def _venv() -> pathlib.Path:
+    """Where the venv for these constraints, dependencies and test tools lives."""
+    key = json.dumps([CONSTRAINTS.read_text(), _dependencies(), TEST_TOOLS, sys.version_info[:2]])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return CACHE / "optax_accum" / f"venv-oldest-{digest}"
+
+
 def _python() -> pathlib.Path:
-    """The oldest-versions venv's interpreter, (re)built when the constraints change."""
-    stamp = VENV / "constraints.sha256"
-    digest = hashlib.sha256(CONSTRAINTS.read_bytes()).hexdigest()
-    python = VENV / "bin" / "python"
-    if python.exists() and stamp.exists() and stamp.read_text() == digest:
-        return python
-    shutil.rmtree(VENV, ignore_errors=True)
-    venv.create(VENV, with_pip=True)
-    install = _run(
-        [str(python), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "-e", ".",
-         "pytest>=8", "pytest-xdist>=3.8", "hypothesis>=6.150"],
-        timeout=900,
-    )  # fmt: skip
-    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
-    stamp.write_text(digest)
+    """The oldest-versions venv's interpreter, built once per key (see `_venv`)."""
+    target = _venv()
+    python = target / "bin" / "python"
+    done = target / "complete"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time per key, whichever checkout runs it; a build that stopped
+    # half way (no `complete` stamp) is thrown away and made again.
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return python
+        shutil.rmtree(target, ignore_errors=True)
+        venv.create(target, with_pip=True)
+        install = _run(
+            [str(python), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS),
+             *_dependencies(), *TEST_TOOLS],
+            timeout=900,
+        )  # fmt: skip
+        assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+        done.write_text("")
     return python
 
 
@@ -116,12 +141,15 @@ def test_core_tests_pass_on_the_oldest_declared_versions():
     python = _python()
     versions = _run(
         [str(python), "-c",
-         "import importlib.metadata as m, sys; "
+         "import importlib.metadata as m, sys, optax_accum; "
+         "print(optax_accum.__file__); "
          "print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))", *_pins()],
         timeout=60,
     )  # fmt: skip
     assert versions.returncode == 0, versions.stderr
-    assert versions.stdout.split() == [f"{n}=={v}" for n, v in _pins().items()]
+    imported, installed = versions.stdout.splitlines()
+    assert pathlib.Path(imported).parent == ROOT / "optax_accum"  # this checkout's code
+    assert installed.split() == [f"{n}=={v}" for n, v in _pins().items()]
 
     deselect = [arg for test in DESELECT for arg in ("--deselect", test)]
     proc = _run(
@@ -131,4 +159,4 @@ def test_core_tests_pass_on_the_oldest_declared_versions():
     )  # fmt: skip
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    print(sys.version, versions.stdout, tail.splitlines()[-1])
+    print(sys.version, installed, tail.splitlines()[-1])

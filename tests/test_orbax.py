@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
+import _session
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -55,8 +56,12 @@ def _split_step(scenario: orbax_worker.Scenario) -> tuple[int, list[tuple[Any, A
 
 @pytest.fixture(scope="module")
 def restored_runs(tmp_path_factory) -> dict:
-    """Every scenario checkpointed, then continued by the worker in one fresh process."""
-    root = tmp_path_factory.mktemp("orbax")
+    """Every scenario checkpointed, then continued by the worker in one fresh process,
+    once per session: under pytest-xdist the workers share one result."""
+    return _session.once(tmp_path_factory, "orbax", _checkpoint_and_restore)
+
+
+def _checkpoint_and_restore(root: pathlib.Path) -> dict:
     expected = {}
     checkpointer = ocp.StandardCheckpointer()
     for name, scenario in SCENARIOS.items():

@@ -15,7 +15,6 @@ directory, so a restart does not recompile what the first process compiled.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import pathlib
 import pickle
@@ -24,9 +23,9 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 
+import _session
 import jax
 import pytest
 from _cases import CASE_IDS
@@ -141,23 +140,8 @@ def train_with_kills(root: pathlib.Path) -> dict:
 
 @pytest.fixture(scope="module")
 def preempted_run(tmp_path_factory) -> dict:
-    """The run, once per session: under pytest-xdist the workers share one result.
-
-    xdist gives each worker its own module fixtures; without this, both workers of
-    `pytest -n 2` would train and kill their own worker processes. The first worker to
-    take the lock runs it and leaves the result in the session's shared temporary
-    directory; the others wait for the lock and read it.
-    """
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return train_with_kills(tmp_path_factory.mktemp("preemption"))
-    shared = tmp_path_factory.getbasetemp().parent  # this session's, shared by workers
-    with (shared / "preemption.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        result = shared / "preemption_result.pkl"
-        if not result.exists():
-            root = pathlib.Path(tempfile.mkdtemp(prefix="preemption", dir=shared))
-            result.write_bytes(pickle.dumps(train_with_kills(root)))
-        return pickle.loads(result.read_bytes())
+    """The run, once per session: under pytest-xdist the workers share one result."""
+    return _session.once(tmp_path_factory, "preemption", train_with_kills)
 
 
 def test_killed_at_every_planned_step_and_restarted_from_a_checkpoint(preempted_run):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import lenient
+from _cases import examples, lenient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -268,7 +268,7 @@ _step = st.tuples(
 )
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     st.integers(1, 3),
     st.sampled_from([2, ROWS]),
@@ -593,7 +593,7 @@ def _per_row_reference(window, rows, mean):
     return total / np.maximum(touches, 1)[:, None] if mean else total
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     st.booleans(),
     st.lists(
