@@ -119,6 +119,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
       A tree of `NamedSharding` objects on the params' mesh, shaped like the state.
 
     Raises:
+      TypeError: when `tx` is not an optax transformation.
       ValueError: when a param has no `NamedSharding`, or the params lie on several
         meshes.
 
@@ -135,6 +136,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
       >>> state.count.sharding.is_fully_replicated
       True
     """
+    tx = _checks.require_transformation("tx", tx)
     leaves, treedef = jax.tree.flatten(params)
     meshes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -320,4 +322,4 @@ def _spec(path: str, leaf: Any, varying: frozenset, order: tuple) -> P:
     return P(names[0] if len(names) == 1 else names)
 
 
-__all__ = ["replica_group_mesh", "state_partition_specs"]
+__all__ = ["replica_group_mesh", "state_partition_specs", "state_shardings"]

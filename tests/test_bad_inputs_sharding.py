@@ -1,4 +1,5 @@
-"""Malformed calls to replica_group_mesh and state_partition_specs get a clear error.
+"""Malformed calls to replica_group_mesh, state_partition_specs and state_shardings get
+a clear error.
 
 Each entry of BAD is one malformed call; tests/_bad_inputs.py says what a clear error
 is and holds the fixtures every table shares.
@@ -6,13 +7,45 @@ is and holds the fixtures every table shares.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 from _bad_inputs import Bad, accumulator_tx, check, ids, mesh8
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
 
+
+def _on_two_meshes() -> dict:
+    devices = jax.devices()
+    first = jax.sharding.Mesh(devices[:4], ("fsdp",))
+    second = jax.sharding.Mesh(devices[4:], ("fsdp",))
+    return {
+        "w": jax.device_put(jnp.zeros(4), NamedSharding(first, P("fsdp"))),
+        "v": jax.device_put(jnp.zeros(4), NamedSharding(second, P("fsdp"))),
+    }
+
+
 BAD: list[Bad] = [
+    Bad(
+        "state_shardings/params without a NamedSharding",
+        lambda: optax_accum.state_shardings(accumulator_tx(), {"w": jnp.zeros(3)}),
+        ValueError,
+        r"params\['w'\] must have a NamedSharding \(place it with jax\.device_put",
+    ),
+    Bad(
+        "state_shardings/params on two meshes",
+        lambda: optax_accum.state_shardings(accumulator_tx(), _on_two_meshes()),
+        ValueError,
+        r"params must lie on one mesh, got 2 meshes",
+    ),
+    Bad(
+        "state_shardings/tx='sgd'",
+        lambda: optax_accum.state_shardings("sgd", {}),
+        TypeError,
+        r"tx must be an optax\.GradientTransformation \(with init and update\), got 'sgd'",
+    ),
     Bad(
         "replica_group_mesh/empty group_assignment",
         lambda: optax_accum.replica_group_mesh([]),
