@@ -593,6 +593,16 @@ def _per_row_reference(window, rows, mean):
     return total / np.maximum(touches, 1)[:, None] if mean else total
 
 
+@functools.cache
+def _capacity_update(capacity: int, mean: bool):
+    """One transform and jitted update per (capacity, mean), shared by every example, so
+    each gradient shape compiles once."""
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 3, capacity=capacity, reduction="mean" if mean else "sum"
+    )
+    return tx, jax.jit(lambda g, s: tx.update(g, s, local_step=None))
+
+
 @settings(max_examples=examples(25), deadline=None)
 @given(
     st.booleans(),
@@ -612,13 +622,11 @@ def test_every_capacity_releases_the_per_row_mean(mean, window):
     touched = {i for ids, _ in grads for i in ids if 0 <= i < ROWS}
     released = []
     for capacity in range(max(len(touched), 1), ROWS + 3):
-        tx = sparse_conditional_accumulator(
-            optax.identity(), 3, capacity=capacity, reduction="mean" if mean else "sum"
-        )
-        offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+        tx, update = _capacity_update(capacity, mean)
+        state = tx.init(jnp.zeros((ROWS, 2)))
         for ids, values in grads:
-            u = offer(_g(np.asarray(ids, np.int32), np.reshape(values, (-1, 2))))
-        assert bool(box["state"].emitted) and int(box["state"].num_overflowed) == 0
+            u, state = update(_g(np.asarray(ids, np.int32), np.reshape(values, (-1, 2))), state)
+        assert bool(state.emitted) and int(state.num_overflowed) == 0
         released.append(_dense_meaning(u))
     expected = _per_row_reference(grads, ROWS, mean)
     for got in released:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import adam
+from _cases import adam, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
@@ -91,7 +91,7 @@ def _scan_run(grads, lags, staleness, static_staleness=None):
     return jax.lax.scan(body, (params, tx.init(params)), (grads, lags))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     lags=st.lists(st.integers(-2, 4), min_size=10, max_size=10),
     staleness=st.integers(-1, 3),
