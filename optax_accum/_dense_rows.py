@@ -1,6 +1,6 @@
 """A dense leaf's running sum in `sparse_conditional_accumulator`: adding a gradient
-(dense, or the rows of an `IndexedSlices`) with a count and a weight sum per row, and
-releasing it with each row's mean.
+(dense, or the rows of an `IndexedSlices`) with a count and a weight sum per row
+(`add_all`), and releasing it with each row's mean (`release`).
 
 The functions take and return the `DenseRows` of `optax_accum.sparse` (new ones made
 with `_replace`).
@@ -32,7 +32,8 @@ def add_all(
     of their `IndexedSlices` gradients lay outside the leaves (ignored).
 
     Under `axis_name`, each replica first sums its own gradient's duplicate ids in a
-    fixed order, as for the row buffers, so the scatter adds no duplicates.
+    fixed order, as for the row buffers, so its scatter meets no duplicate ids and gives
+    the same bits in every run.
     """
     added, out_of_range = [], jnp.int32(0)
     for acc, g in zip(accs, grads, strict=True):
@@ -43,11 +44,11 @@ def add_all(
             rows = (_row_ids.row_ids(g.indices, num_rows), g.values)
             if axis_name is not None:
                 rows = _row_buffer.combined(*rows, dtype=acc.values.dtype, num_rows=num_rows)
-        added.append(add(accepted, acc, g, rows, weight))
+        added.append(_add(accepted, acc, g, rows, weight))
     return added, out_of_range
 
 
-def add(
+def _add(
     accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any, weight: jax.Array | None
 ) -> DenseRows:
     """A dense leaf's accumulation, each row weighted by `weight` (None: 1). An

@@ -2,12 +2,13 @@
 
 `sparse_conditional_accumulator` keeps a `RowBuffer` for each leaf `sparse_mask`
 chooses: up to `capacity` distinct rows in arrival order, found through a row-to-slot
-map. `insert_all` adds gradients (one per replica) in order, each whole or not at
-all, looking their rows up without a sort; `release` gives the rows sorted and
-unique. Replicas that share the buffers first sum each gradient's duplicate ids in a
-fixed order (`combined`). The functions take and return the `RowBuffer`s of
-`optax_accum.sparse` (new ones made with `_replace`). `docs/design.md`, "The sparse
-accumulator", says why it is built this way.
+map. `offer` inserts a step's gradients (under an `axis_name`, every replica's, in
+replica order), each whole or not at all, looking their rows up without a sort;
+`release` gives the rows sorted and unique. Replicas that share the buffers first sum
+each gradient's duplicate ids in a fixed order (`combined`, which the dense leaves
+use too). The functions take and return the `RowBuffer`s of `optax_accum.sparse`
+(new ones made with `_replace`). `docs/design.md`, "The sparse accumulator", says why
+it is built this way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _collectives, _compat, _row_ids, _sums
+from optax_accum import _checks, _collectives, _compat, _row_ids, _sums
 from optax_accum.indexed_slices import IndexedSlices
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ def offer(
     this replica's gradient was taken, whether it overflowed, and how many of its row
     ids lay outside the tables.
     """
+    if axis_name is not None:
+        _checks.require_bound_axis(axis_name)
     slices, out_of_range = [], jnp.int32(0)
     for buf, g in zip(buffers, grads, strict=True):
         num_rows = buf.slot_of.shape[0]

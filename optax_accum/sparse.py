@@ -452,8 +452,6 @@ def _accumulate(
     at all, then the dense leaves add it if the buffers took it. Also returns whether
     this replica's gradient was accepted, whether it overflowed, and how many of its
     row ids lay outside their leaves (ignored: they cannot raise under jit)."""
-    if axis_name is not None:
-        _checks.require_bound_axis(axis_name)
     sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
     dense_at = [i for i, a in enumerate(accs) if not _is_buffer(a)]
     buffers, accepted, overflow, sparse_out = _row_buffer.offer(
