@@ -15,17 +15,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from optax_accum import (
     _branch,
     _checks,
-    _collectives,
-    _compat,
     _counters,
+    _dense_rows,
     _extra_args,
+    _row_buffer,
     _row_ids,
     _sums,
 )
@@ -166,7 +165,7 @@ def _num_rows(acc: RowBuffer | DenseRows) -> int:
     return acc.slot_of.shape[0] if _is_buffer(acc) else acc.values.shape[0]
 
 
-def _dense_rows(param: Any) -> DenseRows:
+def _empty_dense_rows(param: Any) -> DenseRows:
     return DenseRows(
         values=_sums.zeros_accumulator(param),
         touches=_sums.row_zeros(param, jnp.int32),
@@ -185,40 +184,6 @@ def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
         size=_counters.int32(0),
         slot_of=jnp.full((shape[0],), -1, jnp.int32),
     )
-
-
-def _sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
-    """The tree of bools saying which leaves of `params` accumulate sparsely."""
-    if sparse is None:
-        return jax.tree.map(lambda p: jnp.ndim(p) >= 2 and jnp.shape(p)[0] > capacity, params)
-    mask = sparse(params) if callable(sparse) else sparse
-    if jax.tree.structure(mask) != jax.tree.structure(params):
-        raise ValueError(
-            "sparse must be a tree of bools with the params' structure (or a function of "
-            f"the params returning one): expected {jax.tree.structure(params)}, "
-            f"got {jax.tree.structure(mask)}"
-        )
-    flat = [
-        _sparse_flag(jax.tree_util.keystr(path), p, m)
-        for (path, p), m in zip(
-            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
-        )
-    ]
-    return jax.tree.unflatten(jax.tree.structure(params), flat)
-
-
-def _sparse_flag(where: str, param: Any, flag: Any) -> bool:
-    """One leaf's entry of the `sparse` tree, checked against its param."""
-    if not isinstance(flag, bool | np.bool_):
-        raise TypeError(f"sparse{where} must be a bool, got {flag!r} ({type(flag).__name__})")
-    if flag and jnp.ndim(param) < 1:
-        raise ValueError(f"params{where} is a scalar and cannot be sparse")
-    if flag and jnp.shape(param)[0] == 0:
-        raise ValueError(
-            f"params{where} must have at least one row to be sparse, got shape "
-            f"{tuple(jnp.shape(param))}"
-        )
-    return bool(flag)
 
 
 # --------------------------------------------------------------------------- checks
@@ -269,258 +234,6 @@ def _all_finite(grads: list, accs: list) -> jax.Array:
         return jnp.where(real.reshape((-1,) + (1,) * (g.values.ndim - 1)), g.values, 0)
 
     return _sums.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
-
-
-def _add_dense(
-    accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any, weight: jax.Array | None
-) -> DenseRows:
-    """A dense leaf's accumulation, each row weighted by `weight` (None: 1). An
-    `IndexedSlices` gradient (given as `rows`, a pair of int32 row ids and values) is
-    scatter-added, each distinct row counted once; a gradient not accepted is aimed out
-    of range, so nothing is written."""
-    added = 1 if weight is None else weight
-    if rows is None:
-        return DenseRows(
-            _sums.add_where(accepted, acc.values, gradient, weight),
-            jnp.where(accepted, acc.touches + 1, acc.touches),
-            jnp.where(accepted, acc.weights + added, acc.weights),
-        )
-    ids, values = rows
-    ids = jnp.where(accepted, ids, acc.values.shape[0])
-    # Every occurrence of a row writes the same count, so duplicates count once.
-    rows_like_ids = _compat.sharding_of(ids)
-    touched = acc.touches.at[ids].get(mode="fill", fill_value=0, out_sharding=rows_like_ids)
-    weighed = acc.weights.at[ids].get(mode="fill", fill_value=0, out_sharding=rows_like_ids)
-    values = _sums.weighted(values, weight, acc.values.dtype)
-    return DenseRows(  # in the accumulator's layout (explicit sharding: its row shards)
-        acc.values.at[ids].add(values, mode="drop", out_sharding=_compat.sharding_of(acc.values)),
-        acc.touches.at[ids].set(
-            touched + 1, mode="drop", out_sharding=_compat.sharding_of(acc.touches)
-        ),
-        acc.weights.at[ids].set(
-            weighed + added, mode="drop", out_sharding=_compat.sharding_of(acc.weights)
-        ),
-    )
-
-
-def _release_dense(acc: DenseRows, mean: bool, like: Any, axis_name: Any) -> jax.Array:
-    """A dense leaf released: summed over `axis_name`, each row divided by its weight
-    sum if `mean` (by the number of accepted gradients, when all of them were dense and
-    unweighted)."""
-    total, weights = acc.values, acc.weights
-    if axis_name is not None:
-        total = lax.psum(total, axis_name)
-    if mean:
-        if axis_name is not None:
-            weights = lax.psum(weights, axis_name)
-        weights = weights.reshape(weights.shape + (1,) * (total.ndim - weights.ndim))
-        total = total / _sums.mean_divisor(weights, total.dtype)
-    return total.astype(jnp.result_type(like))
-
-
-# --------------------------------------------------------------------------- row buffers
-
-
-class _Plan(NamedTuple):
-    """Where one gradient's rows go in a buffer, found without sorting."""
-
-    rows: jax.Array  # the gradient's row ids; padding (and out-of-range ids) = table rows
-    first: jax.Array  # True at exactly one occurrence of each distinct real row
-    new: jax.Array  # True at that occurrence when the row is not in the buffer yet
-    slot: jax.Array  # the slot of each occurrence's row (capacity for padding)
-    num_new: jax.Array  # how many slots the gradient would add
-    unmapped: jax.Array  # the rows not in the buffer yet (padding elsewhere)
-    before: jax.Array  # each row's map entry before this gradient (valid or stale)
-    slot_of: jax.Array  # the map, with the unmapped rows' entries used as claims
-
-
-def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
-    """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
-
-    `rows` are int32 row ids, with every id outside the table already the padding id
-    (see `_row_ids.row_ids`).
-
-    A map entry is trusted only if it points below `size` at a slot holding that row,
-    so a release never has to clear the map. Duplicate ids count once: an occurrence of
-    a row already held is told apart by claiming its slot in a `capacity`-sized
-    scratch; one of a row not held yet claims the row's own (so far meaningless) map
-    entry, which `_commit` then sets to the new slot or restores. The one claim that
-    sticks picks the occurrence that counts.
-    """
-    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
-    real = rows < num_rows
-    before = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
-    held = buf.rows.at[before].get(mode="fill", fill_value=-1)
-    existing = jnp.where((before >= 0) & (before < buf.size) & (held == rows), before, -1)
-    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    # Rows held: claim their slot. Rows not held: claim their map entry, as -2 - position
-    # (never a slot). The map scatter's indices depend on the lookup above, so XLA reads
-    # the old entries first and updates the map in place.
-    held_slot = jnp.where(existing >= 0, existing, capacity)
-    by_slot = jnp.full((capacity,), -1, jnp.int32).at[held_slot].set(position, mode="drop")
-    unmapped = jnp.where(real & (existing < 0), rows, num_rows)
-    slot_of = buf.slot_of.at[unmapped].set(-2 - position, mode="drop")
-    owner = jnp.where(
-        existing >= 0,
-        by_slot.at[held_slot].get(mode="fill", fill_value=-1),
-        -2 - slot_of.at[unmapped].get(mode="fill", fill_value=0),
-    )
-    first = real & (owner == position)
-    new = first & (existing < 0)
-    new_slot = buf.size + jnp.cumsum(new, dtype=jnp.int32) - 1
-    slot = jnp.where(existing >= 0, existing, new_slot.at[owner].get(mode="fill", fill_value=0))
-    slot = jnp.where(real, slot, capacity)
-    num_new = jnp.sum(new, dtype=jnp.int32)
-    return _Plan(rows, first, new, slot, num_new, unmapped, before, slot_of)
-
-
-def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
-    return buf.size + plan.num_new <= buf.rows.shape[0]
-
-
-def _commit(
-    buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array, weight: jax.Array | None
-) -> RowBuffer:
-    """Adds the planned rows, weighted by `weight` (None: 1), if `take`; otherwise every
-    scatter is aimed out of range."""
-    capacity = buf.rows.shape[0]
-    slot = jnp.where(take, plan.slot, capacity)
-    new_slot = jnp.where(plan.new, slot, capacity)
-    # A slot freed by a release still holds its old sum and count: reset them on reuse.
-    zero = jnp.zeros((), buf.values.dtype)
-    cleared = buf.values.at[new_slot].set(zero, mode="drop")
-    touches = buf.touches.at[new_slot].set(0, mode="drop")
-    weights = buf.weights.at[new_slot].set(0, mode="drop")
-    first = jnp.where(plan.first, slot, capacity)
-    # Every occurrence of a row writes the same entry, so the scatter is deterministic;
-    # a gradient not taken restores the claimed entries exactly as they were.
-    mapped = jnp.where(take, plan.slot, plan.before)
-    return RowBuffer(
-        rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
-        values=cleared.at[slot].add(_sums.weighted(values, weight, buf.values.dtype), mode="drop"),
-        touches=touches.at[first].add(1, mode="drop"),
-        weights=weights.at[first].add(1 if weight is None else weight, mode="drop"),
-        size=jnp.where(take, buf.size + plan.num_new, buf.size),
-        slot_of=plan.slot_of.at[plan.unmapped].set(mapped, mode="drop"),
-    )
-
-
-def _release_rows(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSlices:
-    """The buffer's rows, sorted and unique, padded to capacity; per-row mean if `mean`.
-
-    Sorts the `capacity` row ids alone (no payload) and finds their slots in the map.
-    """
-    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
-    used = jnp.arange(capacity, dtype=jnp.int32) < buf.size
-    ids = jnp.sort(jnp.where(used, buf.rows, num_rows))
-    slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
-    values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
-    if mean:
-        weights = buf.weights.at[slots].get(mode="fill", fill_value=1)
-        weights = weights.reshape((-1,) + (1,) * (values.ndim - 1))
-        values = values / _sums.mean_divisor(weights, values.dtype)
-    table = (num_rows, *buf.values.shape[1:])
-    return IndexedSlices(ids, values.astype(like.values.dtype), table)
-
-
-def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseRows:
-    """The accumulator emptied if `emit`; a row buffer only resets `size` (see `_plan`
-    and `_commit`)."""
-    if _is_buffer(acc):
-        return acc._replace(size=jnp.where(emit, 0, acc.size))
-    return jax.tree.map(lambda x: jnp.where(emit, jnp.zeros((), x.dtype), x), acc)
-
-
-def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
-    """All replicas' `x`, stacked; typed replica-invariant under `jax.shard_map`.
-
-    The gathered stack is the same on every replica; saying so keeps the row buffers
-    built from it invariant, so they need no mesh axis in a shard_map state spec.
-    """
-    return _collectives.all_gather(x, axis_name, invariant=True)
-
-
-# --------------------------------------------------------------------------- duplicates
-
-
-def _row_hash(flat: jax.Array) -> jax.Array:
-    """uint32 `[n]`: a hash of each row's bits (murmur3's finaliser on every element,
-    salted by its column, summed), so that equal rows hash equally."""
-    bits = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.uint32)
-    column = jnp.arange(flat.shape[1], dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    x = bits ^ column
-    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
-    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
-    return jnp.sum(x ^ (x >> 16), axis=1, dtype=jnp.uint32)
-
-
-def _combined(
-    rows: jax.Array, values: jax.Array, *, dtype: Any, num_rows: int
-) -> tuple[jax.Array, jax.Array]:
-    """One gradient with its duplicate ids summed in `dtype`, in a fixed order.
-
-    The rows are sorted by id, and the duplicates of an id by a hash of their values
-    (ties, which only equal rows or a 32-bit hash collision give, by position): the
-    same (id, row) pairs in any order come out in the same order. A segmented scan
-    then adds every run of an id in that order (no scatter adds duplicates, so no
-    backend can reorder them); the run's total lands on its last row, and its other
-    rows become padding with zero values. The ids come out unique.
-    """
-    n = rows.shape[0]
-    flat = values.reshape(n, -1).astype(dtype)
-    if not n:
-        return rows, flat.reshape(values.shape)
-    position = jnp.arange(n, dtype=jnp.int32)
-    rows, _, order = lax.sort((rows, _row_hash(flat), position), num_keys=2)
-    flat = flat[order]
-    boundary = rows[1:] != rows[:-1]
-    first = jnp.concatenate([jnp.ones((1,), bool), boundary])
-    last = jnp.concatenate([boundary, jnp.ones((1,), bool)])
-
-    def add(a: tuple, b: tuple) -> tuple:
-        (first_a, sum_a), (first_b, sum_b) = a, b
-        return first_a | first_b, jnp.where(first_b[:, None], sum_b, sum_a + sum_b)
-
-    _, sums = lax.associative_scan(add, (first, flat), axis=0)
-    keep = last & (rows < num_rows)
-    sums = jnp.where(keep[:, None], sums, jnp.zeros((), dtype))
-    return jnp.where(keep, rows, num_rows), sums.reshape(values.shape)
-
-
-_UNROLL = 8  # up to this many replicas, insertion is unrolled rather than scanned
-
-
-def _insert_all(
-    buffers: list[RowBuffer],
-    grads: list[tuple[jax.Array, jax.Array]],
-    offered: jax.Array,
-    weights: jax.Array | None,
-) -> tuple[list[RowBuffer], jax.Array, jax.Array]:
-    """Inserts a stack of gradients (one per replica) in order, each whole or not at all.
-
-    `grads[k]` is a pair of int32 row ids `[n, nnz]` and their values, and `offered`
-    and `weights` (None: all 1) are `[n]`. Returns the buffers and, per gradient,
-    whether it was taken and whether it overflowed.
-    """
-
-    def one(bufs, xs):
-        offer, weight, indices, values = xs
-        plans = [_plan(b, i) for b, i in zip(bufs, indices, strict=True)]
-        fits = jnp.stack([_fits(b, p) for b, p in zip(bufs, plans, strict=True)] + [True]).all()
-        take = offer & fits
-        bufs = [_commit(b, p, v, take, weight) for b, p, v in zip(bufs, plans, values, strict=True)]
-        return bufs, (take, offer & ~fits)
-
-    xs = (offered, weights, [ids for ids, _ in grads], [values for _, values in grads])
-    if offered.shape[0] > _UNROLL:
-        buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
-        return buffers, taken, overflowed
-    flags = []
-    for r in range(offered.shape[0]):  # few replicas: unrolled, no loop-carried copies
-        buffers, flag = one(buffers, jax.tree.map(lambda x: x[r], xs))  # noqa: B023
-        flags.append(flag)
-    taken, overflowed = (jnp.stack(f) for f in zip(*flags, strict=True))
-    return buffers, taken, overflowed
 
 
 # --------------------------------------------------------------------------- transform
@@ -661,7 +374,7 @@ def sparse_conditional_accumulator(
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
         _checks.require_floating_params(params)
-        mask = _sparse_mask(sparse, params, capacity)
+        mask = _row_buffer.sparse_mask(sparse, params, capacity)
         # Each counter gets its own buffer, so the state can be donated as it comes.
         return SparseConditionalAccumulatorState(
             global_step=_counters.int32(0),
@@ -673,7 +386,7 @@ def sparse_conditional_accumulator(
             num_out_of_range=_counters.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
-                lambda p, m: _empty_buffer(p, capacity) if m else _dense_rows(p),
+                lambda p, m: _empty_buffer(p, capacity) if m else _empty_dense_rows(p),
                 params,
                 mask,
             ),
@@ -701,51 +414,7 @@ def sparse_conditional_accumulator(
         rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
         kept = weight_ok if rule is None else weight_ok & ~rule
         offered = fresh & finite & kept
-        # Every IndexedSlices as int32 row ids, ids outside the table as the padding id:
-        # exact for ids of every integer dtype. Out-of-range ids cannot raise under jit:
-        # they are ignored and counted.
-        slices: list[Any] = [None] * len(grads)
-        out_of_range = jnp.int32(0)
-        for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
-            if isinstance(g, IndexedSlices):
-                out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, _num_rows(a))
-                ids = _row_ids.row_ids(g.indices, _num_rows(a))
-                if _is_buffer(a):  # the row buffer is replicated, and so is its input
-                    ids, values = _compat.replicated_under_auto((ids, g.values))
-                else:
-                    values = g.values
-                slices[i] = (ids, values)
-        sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
-        if axis_name is not None:
-            _checks.require_bound_axis(axis_name)
-            # Each replica sums its own gradient's duplicate ids in a fixed order, so
-            # every replica (and every run) gets the same bits whatever order a scatter
-            # would add them in. Gathered in the gradient's dtype.
-            for i, (g, a) in enumerate(zip(grads, accs, strict=True)):
-                if slices[i] is not None:
-                    ids, sums = _combined(*slices[i], dtype=a.values.dtype, num_rows=_num_rows(a))
-                    slices[i] = (ids, sums.astype(g.values.dtype) if _is_buffer(a) else sums)
-            stacked = [tuple(_gather(x, axis_name) for x in slices[i]) for i in sparse_at]
-            me = lax.axis_index(axis_name)
-            if w is None:
-                offers, weights = _gather(offered, axis_name), None
-            else:  # one all-gather for both
-                both = _gather(jnp.stack([offered.astype(w.dtype), w]), axis_name)
-                offers, weights = both[:, 0] > 0, both[:, 1]
-        else:
-            stacked = [jax.tree.map(lambda x: x[None], slices[i]) for i in sparse_at]
-            me = 0
-            offers, weights = offered[None], None if w is None else w[None]
-        buffers, taken, overflowed = _insert_all(
-            [accs[i] for i in sparse_at], stacked, offers, weights
-        )
-        accepted, overflow = taken[me], overflowed[me]
-        for i, buf in zip(sparse_at, buffers, strict=True):
-            accs[i] = buf
-        accs = [
-            a if _is_buffer(a) else _add_dense(accepted, a, g, s, w)
-            for a, g, s in zip(accs, grads, slices, strict=True)
-        ]
+        accs, accepted, overflow, out_of_range = _accumulate(grads, accs, offered, w, axis_name)
         accumulator = jax.tree.unflatten(
             jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
         )
@@ -758,41 +427,91 @@ def sparse_conditional_accumulator(
         count = _counters.saturating_add(state.count, arrived[0])
         emit = count >= required(state.global_step)
 
-        def aggregate(accumulator):
-            def leaf(a, g):
-                if _is_buffer(a):
-                    return _release_rows(a, mean, g)
-                like = g.values if isinstance(g, IndexedSlices) else g
-                return _release_dense(a, mean, like, axis_name)
-
-            return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_accumulator)
-
         # The release reads the accumulator and never returns it; a held step passes
         # the inner state on untouched (see _branch).
         def release(inner_state):
-            return inner.update(aggregate(accumulator), inner_state, params, **extra_args)
+            aggregate = _aggregate(accumulator, updates, mean, axis_name)
+            return inner.update(aggregate, inner_state, params, **extra_args)
 
         new_updates, inner_state = _branch.update_if(
             emit, release, state.inner_state, salt=count, params=params, held=_as_padding
         )
-        accumulator = jax.tree.map(
-            lambda a: _reset_if(emit, a), accumulator, is_leaf=_is_accumulator
-        )
-        new_state = SparseConditionalAccumulatorState(
-            global_step=_counters.increment_if(emit, state.global_step),
-            count=jnp.where(emit, 0, count),
-            num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
-            num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
-            num_skipped=_counters.saturating_add(state.num_skipped, arrived[4]),
-            num_overflowed=_counters.saturating_add(state.num_overflowed, arrived[3]),
-            num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[5]),
-            emitted=emit,
-            accumulator=accumulator,
-            inner_state=inner_state,
-        )
-        return new_updates, new_state
+        return new_updates, _next_state(state, emit, count, arrived, accumulator, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- update steps
+
+
+def _accumulate(
+    grads: list, accs: list, offered: jax.Array, w: jax.Array | None, axis_name: Any
+) -> tuple[list, jax.Array, jax.Array, jax.Array]:
+    """The accumulators with the gradient added if it is offered and fits: the row
+    buffers take it (under `axis_name`, every replica's, in replica order) whole or not
+    at all, then the dense leaves add it if the buffers took it. Also returns whether
+    this replica's gradient was accepted, whether it overflowed, and how many of its
+    row ids lay outside their leaves (ignored: they cannot raise under jit)."""
+    sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
+    dense_at = [i for i, a in enumerate(accs) if not _is_buffer(a)]
+    buffers, accepted, overflow, sparse_out = _row_buffer.offer(
+        [accs[i] for i in sparse_at], [grads[i] for i in sparse_at], offered, w, axis_name
+    )
+    dense, dense_out = _dense_rows.add_all(
+        accepted, [accs[i] for i in dense_at], [grads[i] for i in dense_at], w, axis_name
+    )
+    accs = list(accs)
+    for i, a in zip(sparse_at + dense_at, buffers + dense, strict=True):
+        accs[i] = a
+    return accs, accepted, overflow, sparse_out + dense_out
+
+
+def _aggregate(accumulator: Any, updates: Any, mean: bool, axis_name: Any) -> Any:
+    """The released tree: `IndexedSlices` for the row buffers, arrays for dense leaves."""
+
+    def leaf(a, g):
+        if _is_buffer(a):
+            return _row_buffer.release(a, mean, g)
+        like = g.values if isinstance(g, IndexedSlices) else g
+        return _dense_rows.release(a, mean, like, axis_name)
+
+    return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_accumulator)
+
+
+def _next_state(
+    state: SparseConditionalAccumulatorState,
+    emit: jax.Array,
+    count: jax.Array,
+    arrived: jax.Array,
+    accumulator: Any,
+    inner_state: optax.OptState,
+) -> SparseConditionalAccumulatorState:
+    """The state after an update: `arrived` holds the int32 counts of this step's
+    accepted, stale, non-finite, overflowed and skipped gradients and of its
+    out-of-range rows; on a release (`emit`), the accumulator is emptied and the step
+    advances."""
+    return SparseConditionalAccumulatorState(
+        global_step=_counters.increment_if(emit, state.global_step),
+        count=jnp.where(emit, 0, count),
+        num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
+        num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
+        num_skipped=_counters.saturating_add(state.num_skipped, arrived[4]),
+        num_overflowed=_counters.saturating_add(state.num_overflowed, arrived[3]),
+        num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[5]),
+        emitted=emit,
+        accumulator=jax.tree.map(
+            lambda a: _reset_if(emit, a), accumulator, is_leaf=_is_accumulator
+        ),
+        inner_state=inner_state,
+    )
+
+
+def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseRows:
+    """The accumulator emptied if `emit`; a row buffer only resets `size` (see
+    `_row_buffer`)."""
+    if _is_buffer(acc):
+        return acc._replace(size=jnp.where(emit, 0, acc.size))
+    return jax.tree.map(lambda x: jnp.where(emit, jnp.zeros((), x.dtype), x), acc)
 
 
 def _as_padding(tree: Any) -> Any:

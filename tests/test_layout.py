@@ -249,9 +249,6 @@ def test_only_branch_chooses_a_form_per_backend():
 # --------------------------------------------------------------------------- room sizes
 
 MAX_LINES = 600
-# Modules over the limit until they are split (issue 23). Remove an entry once its
-# module fits: the test below fails while a listed module is within the limit.
-OVER_MAX_LINES = {"optax_accum/sparse.py"}
 
 
 def _relative(path: pathlib.Path) -> str:
@@ -266,12 +263,7 @@ def test_no_module_is_over_600_lines():
     counts = _line_counts()
     assert len(counts) > 20  # the package was read
     over = {path: n for path, n in counts.items() if n > MAX_LINES}
-    assert set(over) - OVER_MAX_LINES == set(), over
-
-
-def test_the_modules_allowed_over_600_lines_still_are():
-    counts = _line_counts()
-    assert {path for path in OVER_MAX_LINES if counts.get(path, 0) <= MAX_LINES} == set()
+    assert over == {}
 
 
 def _ranked_worse_than_c(source: str) -> list[str]:

@@ -1,0 +1,97 @@
+"""A dense leaf's running sum in `sparse_conditional_accumulator`: adding a gradient
+(dense, or the rows of an `IndexedSlices`) with a count and a weight sum per row
+(`add_all`), and releasing it with each row's mean (`release`).
+
+The functions take and return the `DenseRows` of `optax_accum.sparse` (new ones made
+with `_replace`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_accum import _compat, _row_buffer, _row_ids, _sums
+from optax_accum.indexed_slices import IndexedSlices
+
+if TYPE_CHECKING:
+    from optax_accum.sparse import DenseRows
+
+
+def add_all(
+    accepted: jax.Array,
+    accs: list[DenseRows],
+    grads: list,
+    weight: jax.Array | None,
+    axis_name: Any,
+) -> tuple[list[DenseRows], jax.Array]:
+    """The dense leaves with their gradients added if `accepted`, and how many row ids
+    of their `IndexedSlices` gradients lay outside the leaves (ignored).
+
+    Under `axis_name`, each replica first sums its own gradient's duplicate ids in a
+    fixed order, as for the row buffers, so its scatter meets no duplicate ids and gives
+    the same bits in every run.
+    """
+    added, out_of_range = [], jnp.int32(0)
+    for acc, g in zip(accs, grads, strict=True):
+        rows = None
+        if isinstance(g, IndexedSlices):
+            num_rows = acc.values.shape[0]
+            out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, num_rows)
+            rows = (_row_ids.row_ids(g.indices, num_rows), g.values)
+            if axis_name is not None:
+                rows = _row_buffer.combined(*rows, dtype=acc.values.dtype, num_rows=num_rows)
+        added.append(_add(accepted, acc, g, rows, weight))
+    return added, out_of_range
+
+
+def _add(
+    accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any, weight: jax.Array | None
+) -> DenseRows:
+    """A dense leaf's accumulation, each row weighted by `weight` (None: 1). An
+    `IndexedSlices` gradient (given as `rows`, a pair of int32 row ids and values) is
+    scatter-added, each distinct row counted once; a gradient not accepted is aimed out
+    of range, so nothing is written."""
+    added = 1 if weight is None else weight
+    if rows is None:
+        return acc._replace(
+            values=_sums.add_where(accepted, acc.values, gradient, weight),
+            touches=jnp.where(accepted, acc.touches + 1, acc.touches),
+            weights=jnp.where(accepted, acc.weights + added, acc.weights),
+        )
+    ids, values = rows
+    ids = jnp.where(accepted, ids, acc.values.shape[0])
+    # Every occurrence of a row writes the same count, so duplicates count once.
+    rows_like_ids = _compat.sharding_of(ids)
+    touched = acc.touches.at[ids].get(mode="fill", fill_value=0, out_sharding=rows_like_ids)
+    weighed = acc.weights.at[ids].get(mode="fill", fill_value=0, out_sharding=rows_like_ids)
+    values = _sums.weighted(values, weight, acc.values.dtype)
+    return acc._replace(  # in the accumulator's layout (explicit sharding: its row shards)
+        values=acc.values.at[ids].add(
+            values, mode="drop", out_sharding=_compat.sharding_of(acc.values)
+        ),
+        touches=acc.touches.at[ids].set(
+            touched + 1, mode="drop", out_sharding=_compat.sharding_of(acc.touches)
+        ),
+        weights=acc.weights.at[ids].set(
+            weighed + added, mode="drop", out_sharding=_compat.sharding_of(acc.weights)
+        ),
+    )
+
+
+def release(acc: DenseRows, mean: bool, like: Any, axis_name: Any) -> jax.Array:
+    """A dense leaf released: summed over `axis_name`, each row divided by its weight
+    sum if `mean` (by the number of accepted gradients, when all of them were dense and
+    unweighted)."""
+    total, weights = acc.values, acc.weights
+    if axis_name is not None:
+        total = lax.psum(total, axis_name)
+    if mean:
+        if axis_name is not None:
+            weights = lax.psum(weights, axis_name)
+        weights = weights.reshape(weights.shape + (1,) * (total.ndim - weights.ndim))
+        total = total / _sums.mean_divisor(weights, total.dtype)
+    return total.astype(jnp.result_type(like))

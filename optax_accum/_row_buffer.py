@@ -1,0 +1,322 @@
+"""A sparse leaf's row buffer: where a gradient's rows go, adding them, releasing them.
+
+`sparse_conditional_accumulator` keeps a `RowBuffer` for each leaf `sparse_mask`
+chooses: up to `capacity` distinct rows in arrival order, found through a row-to-slot
+map. `offer` inserts a step's gradients (under an `axis_name`, every replica's, in
+replica order), each whole or not at all, looking their rows up without a sort;
+`release` gives the rows sorted and unique. Replicas that share the buffers first sum
+each gradient's duplicate ids in a fixed order (`combined`, which the dense leaves
+use too). The functions take and return the `RowBuffer`s of `optax_accum.sparse`
+(new ones made with `_replace`). `docs/design.md`, "The sparse accumulator", says why
+it is built this way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_accum import _checks, _collectives, _compat, _row_ids, _sums
+from optax_accum.indexed_slices import IndexedSlices
+
+if TYPE_CHECKING:
+    from optax_accum.sparse import RowBuffer
+
+
+# --------------------------------------------------------------------------- which leaves
+
+
+def sparse_mask(sparse: Any, params: Any, capacity: int) -> Any:
+    """The tree of bools saying which leaves of `params` accumulate sparsely."""
+    if sparse is None:
+        return jax.tree.map(lambda p: jnp.ndim(p) >= 2 and jnp.shape(p)[0] > capacity, params)
+    mask = sparse(params) if callable(sparse) else sparse
+    if jax.tree.structure(mask) != jax.tree.structure(params):
+        raise ValueError(
+            "sparse must be a tree of bools with the params' structure (or a function of "
+            f"the params returning one): expected {jax.tree.structure(params)}, "
+            f"got {jax.tree.structure(mask)}"
+        )
+    flat = [
+        _sparse_flag(jax.tree_util.keystr(path), p, m)
+        for (path, p), m in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask), strict=True
+        )
+    ]
+    return jax.tree.unflatten(jax.tree.structure(params), flat)
+
+
+def _sparse_flag(where: str, param: Any, flag: Any) -> bool:
+    """One leaf's entry of the `sparse` tree, checked against its param."""
+    if not isinstance(flag, bool | np.bool_):
+        raise TypeError(f"sparse{where} must be a bool, got {flag!r} ({type(flag).__name__})")
+    if flag and jnp.ndim(param) < 1:
+        raise ValueError(f"params{where} is a scalar and cannot be sparse")
+    if flag and jnp.shape(param)[0] == 0:
+        raise ValueError(
+            f"params{where} must have at least one row to be sparse, got shape "
+            f"{tuple(jnp.shape(param))}"
+        )
+    return bool(flag)
+
+
+# --------------------------------------------------------------------------- insertion
+
+
+def offer(
+    buffers: list[RowBuffer],
+    grads: list[IndexedSlices],
+    offered: jax.Array,
+    weight: jax.Array | None,
+    axis_name: Any,
+) -> tuple[list[RowBuffer], jax.Array, jax.Array, jax.Array]:
+    """Offers the sparse leaves' gradients to their buffers, whole or not at all.
+
+    Each gradient's ids become int32 row ids, those outside the table the padding id
+    (exact for ids of every integer dtype; they cannot raise under jit, so they are
+    ignored and counted). Under `axis_name`, every replica's gradient is inserted, in
+    replica order, so every replica holds the same rows. Returns the buffers, whether
+    this replica's gradient was taken, whether it overflowed, and how many of its row
+    ids lay outside the tables.
+    """
+    if axis_name is not None:
+        _checks.require_bound_axis(axis_name)
+    slices, out_of_range = [], jnp.int32(0)
+    for buf, g in zip(buffers, grads, strict=True):
+        num_rows = buf.slot_of.shape[0]
+        out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, num_rows)
+        ids = _row_ids.row_ids(g.indices, num_rows)
+        # The row buffer is replicated, and so is its input.
+        slices.append(_compat.replicated_under_auto((ids, g.values)))
+    if axis_name is None:
+        stacked = [jax.tree.map(lambda x: x[None], s) for s in slices]
+        me, offers, weights = 0, offered[None], None if weight is None else weight[None]
+    else:
+        stacked, offers, weights = _gathered(buffers, slices, offered, weight, axis_name)
+        me = lax.axis_index(axis_name)
+    buffers, taken, overflowed = insert_all(buffers, stacked, offers, weights)
+    return buffers, taken[me], overflowed[me], out_of_range
+
+
+def _gathered(
+    buffers: list[RowBuffer],
+    slices: list[tuple[jax.Array, jax.Array]],
+    offered: jax.Array,
+    weight: jax.Array | None,
+    axis_name: Any,
+) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array, jax.Array | None]:
+    """Every replica's row slices, offers and weights (None without weights), stacked.
+
+    Each replica sums its own gradient's duplicate ids in a fixed order, so every
+    replica (and every run) gets the same bits whatever order a scatter would add them
+    in. Gathered in the gradient's dtype.
+    """
+    stacked = []
+    for buf, (ids, values) in zip(buffers, slices, strict=True):
+        ids, sums = combined(ids, values, dtype=buf.values.dtype, num_rows=buf.slot_of.shape[0])
+        stacked.append((_gather(ids, axis_name), _gather(sums.astype(values.dtype), axis_name)))
+    if weight is None:
+        return stacked, _gather(offered, axis_name), None
+    both = _gather(jnp.stack([offered.astype(weight.dtype), weight]), axis_name)  # one gather
+    return stacked, both[:, 0] > 0, both[:, 1]
+
+
+def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
+    """All replicas' `x`, stacked; typed replica-invariant under `jax.shard_map`.
+
+    The gathered stack is the same on every replica; saying so keeps the row buffers
+    built from it invariant, so they need no mesh axis in a shard_map state spec.
+    """
+    return _collectives.all_gather(x, axis_name, invariant=True)
+
+
+class _Plan(NamedTuple):
+    """Where one gradient's rows go in a buffer, found without sorting."""
+
+    rows: jax.Array  # the gradient's row ids; padding (and out-of-range ids) = table rows
+    first: jax.Array  # True at exactly one occurrence of each distinct real row
+    new: jax.Array  # True at that occurrence when the row is not in the buffer yet
+    slot: jax.Array  # the slot of each occurrence's row (capacity for padding)
+    num_new: jax.Array  # how many slots the gradient would add
+    unmapped: jax.Array  # the rows not in the buffer yet (padding elsewhere)
+    before: jax.Array  # each row's map entry before this gradient (valid or stale)
+    slot_of: jax.Array  # the map, with the unmapped rows' entries used as claims
+
+
+def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
+    """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
+
+    `rows` are int32 row ids, with every id outside the table already the padding id
+    (see `_row_ids.row_ids`).
+
+    A map entry is trusted only if it points below `size` at a slot holding that row,
+    so a release never has to clear the map. Duplicate ids count once: an occurrence of
+    a row already held is told apart by claiming its slot in a `capacity`-sized
+    scratch; one of a row not held yet claims the row's own (so far meaningless) map
+    entry, which `_commit` then sets to the new slot or restores. The one claim that
+    sticks picks the occurrence that counts.
+    """
+    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    real = rows < num_rows
+    before = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
+    held = buf.rows.at[before].get(mode="fill", fill_value=-1)
+    existing = jnp.where((before >= 0) & (before < buf.size) & (held == rows), before, -1)
+    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    # Rows held: claim their slot. Rows not held: claim their map entry, as -2 - position
+    # (never a slot). The map scatter's indices depend on the lookup above, so XLA reads
+    # the old entries first and updates the map in place.
+    held_slot = jnp.where(existing >= 0, existing, capacity)
+    by_slot = jnp.full((capacity,), -1, jnp.int32).at[held_slot].set(position, mode="drop")
+    unmapped = jnp.where(real & (existing < 0), rows, num_rows)
+    slot_of = buf.slot_of.at[unmapped].set(-2 - position, mode="drop")
+    owner = jnp.where(
+        existing >= 0,
+        by_slot.at[held_slot].get(mode="fill", fill_value=-1),
+        -2 - slot_of.at[unmapped].get(mode="fill", fill_value=0),
+    )
+    first = real & (owner == position)
+    new = first & (existing < 0)
+    new_slot = buf.size + jnp.cumsum(new, dtype=jnp.int32) - 1
+    slot = jnp.where(existing >= 0, existing, new_slot.at[owner].get(mode="fill", fill_value=0))
+    slot = jnp.where(real, slot, capacity)
+    num_new = jnp.sum(new, dtype=jnp.int32)
+    return _Plan(rows, first, new, slot, num_new, unmapped, before, slot_of)
+
+
+def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
+    return buf.size + plan.num_new <= buf.rows.shape[0]
+
+
+def _commit(
+    buf: RowBuffer, plan: _Plan, values: jax.Array, take: jax.Array, weight: jax.Array | None
+) -> RowBuffer:
+    """Adds the planned rows, weighted by `weight` (None: 1), if `take`; otherwise every
+    scatter is aimed out of range."""
+    capacity = buf.rows.shape[0]
+    slot = jnp.where(take, plan.slot, capacity)
+    new_slot = jnp.where(plan.new, slot, capacity)
+    # A slot freed by a release still holds its old sum and count: reset them on reuse.
+    zero = jnp.zeros((), buf.values.dtype)
+    cleared = buf.values.at[new_slot].set(zero, mode="drop")
+    touches = buf.touches.at[new_slot].set(0, mode="drop")
+    weights = buf.weights.at[new_slot].set(0, mode="drop")
+    first = jnp.where(plan.first, slot, capacity)
+    # Every occurrence of a row writes the same entry, so the scatter is deterministic;
+    # a gradient not taken restores the claimed entries exactly as they were.
+    mapped = jnp.where(take, plan.slot, plan.before)
+    return buf._replace(
+        rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
+        values=cleared.at[slot].add(_sums.weighted(values, weight, buf.values.dtype), mode="drop"),
+        touches=touches.at[first].add(1, mode="drop"),
+        weights=weights.at[first].add(1 if weight is None else weight, mode="drop"),
+        size=jnp.where(take, buf.size + plan.num_new, buf.size),
+        slot_of=plan.slot_of.at[plan.unmapped].set(mapped, mode="drop"),
+    )
+
+
+_UNROLL = 8  # up to this many replicas, insertion is unrolled rather than scanned
+
+
+def insert_all(
+    buffers: list[RowBuffer],
+    grads: list[tuple[jax.Array, jax.Array]],
+    offered: jax.Array,
+    weights: jax.Array | None,
+) -> tuple[list[RowBuffer], jax.Array, jax.Array]:
+    """Inserts a stack of gradients (one per replica) in order, each whole or not at all.
+
+    `grads[k]` is a pair of int32 row ids `[n, nnz]` and their values, and `offered`
+    and `weights` (None: all 1) are `[n]`. Returns the buffers and, per gradient,
+    whether it was taken and whether it overflowed.
+    """
+
+    def one(bufs, xs):
+        offer, weight, indices, values = xs
+        plans = [_plan(b, i) for b, i in zip(bufs, indices, strict=True)]
+        fits = jnp.stack([_fits(b, p) for b, p in zip(bufs, plans, strict=True)] + [True]).all()
+        take = offer & fits
+        bufs = [_commit(b, p, v, take, weight) for b, p, v in zip(bufs, plans, values, strict=True)]
+        return bufs, (take, offer & ~fits)
+
+    xs = (offered, weights, [ids for ids, _ in grads], [values for _, values in grads])
+    if offered.shape[0] > _UNROLL:
+        buffers, (taken, overflowed) = lax.scan(one, buffers, xs)
+        return buffers, taken, overflowed
+    flags = []
+    for r in range(offered.shape[0]):  # few replicas: unrolled, no loop-carried copies
+        buffers, flag = one(buffers, jax.tree.map(lambda x: x[r], xs))  # noqa: B023
+        flags.append(flag)
+    taken, overflowed = (jnp.stack(f) for f in zip(*flags, strict=True))
+    return buffers, taken, overflowed
+
+
+# --------------------------------------------------------------------------- release
+
+
+def release(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSlices:
+    """The buffer's rows, sorted and unique, padded to capacity; per-row mean if `mean`.
+
+    Sorts the `capacity` row ids alone (no payload) and finds their slots in the map.
+    """
+    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    used = jnp.arange(capacity, dtype=jnp.int32) < buf.size
+    ids = jnp.sort(jnp.where(used, buf.rows, num_rows))
+    slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
+    values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
+    if mean:
+        weights = buf.weights.at[slots].get(mode="fill", fill_value=1)
+        weights = weights.reshape((-1,) + (1,) * (values.ndim - 1))
+        values = values / _sums.mean_divisor(weights, values.dtype)
+    table = (num_rows, *buf.values.shape[1:])
+    return IndexedSlices(ids, values.astype(like.values.dtype), table)
+
+
+# --------------------------------------------------------------------------- duplicates
+
+
+def _row_hash(flat: jax.Array) -> jax.Array:
+    """uint32 `[n]`: a hash of each row's bits (murmur3's finaliser on every element,
+    salted by its column, summed), so that equal rows hash equally."""
+    bits = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.uint32)
+    column = jnp.arange(flat.shape[1], dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    x = bits ^ column
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(x ^ (x >> 16), axis=1, dtype=jnp.uint32)
+
+
+def combined(
+    rows: jax.Array, values: jax.Array, *, dtype: Any, num_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """One gradient with its duplicate ids summed in `dtype`, in a fixed order.
+
+    The rows are sorted by id, and the duplicates of an id by a hash of their values
+    (ties, which only equal rows or a 32-bit hash collision give, by position): the
+    same (id, row) pairs in any order come out in the same order. A segmented scan
+    then adds every run of an id in that order (no scatter adds duplicates, so no
+    backend can reorder them); the run's total lands on its last row, and its other
+    rows become padding with zero values. The ids come out unique.
+    """
+    n = rows.shape[0]
+    flat = values.reshape(n, -1).astype(dtype)
+    if not n:
+        return rows, flat.reshape(values.shape)
+    position = jnp.arange(n, dtype=jnp.int32)
+    rows, _, order = lax.sort((rows, _row_hash(flat), position), num_keys=2)
+    flat = flat[order]
+    boundary = rows[1:] != rows[:-1]
+    first = jnp.concatenate([jnp.ones((1,), bool), boundary])
+    last = jnp.concatenate([boundary, jnp.ones((1,), bool)])
+
+    def add(a: tuple, b: tuple) -> tuple:
+        (first_a, sum_a), (first_b, sum_b) = a, b
+        return first_a | first_b, jnp.where(first_b[:, None], sum_b, sum_a + sum_b)
+
+    _, sums = lax.associative_scan(add, (first, flat), axis=0)
+    keep = last & (rows < num_rows)
+    sums = jnp.where(keep[:, None], sums, jnp.zeros((), dtype))
+    return jnp.where(keep, rows, num_rows), sums.reshape(values.shape)
