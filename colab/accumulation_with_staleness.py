@@ -122,29 +122,14 @@ model, init_params, loss_fn, accuracy = notebook.mlp(x_test, y_test)
 # previous delivery, and tagged with the global step it saw then.
 
 # %%
-import heapq
-
 import optax
 from tqdm.auto import tqdm
 
 import optax_accum
+from optax_accum.demo.accumulate import arrival_order
 
-
-def arrival_order(steps, workers, seed=0):
-    rng = np.random.default_rng(seed)
-    mean = np.ones(workers)
-    mean[0] = STRAGGLER_SLOWDOWN
-    events = [(rng.exponential(m), w) for w, m in enumerate(mean)]
-    heapq.heapify(events)
-    order = []
-    while len(order) < steps:
-        t, w = heapq.heappop(events)
-        order.append(w)
-        heapq.heappush(events, (t + rng.exponential(mean[w]), w))
-    return order
-
-
-ORDER = arrival_order(STEPS, WORKERS)
+# Which worker delivers each gradient: exponential compute times, worker 0 the slowest.
+ORDER = arrival_order(STEPS, seed=0, workers=WORKERS, slowdown=STRAGGLER_SLOWDOWN)
 grad_fn = jax.jit(jax.grad(loss_fn))
 
 

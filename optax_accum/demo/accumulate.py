@@ -34,12 +34,14 @@ EVERY = 3  # gradients per update: MultiSteps' every_k_schedule, the accumulator
 LR = 3e-3
 
 
-def arrival_order(steps: int, seed: int) -> list[int]:
+def arrival_order(
+    steps: int, seed: int, *, workers: int = WORKERS, slowdown: float = SLOWDOWN
+) -> list[int]:
     """Which worker delivers each of `steps` gradients: exponential compute times,
-    worker 0 `SLOWDOWN` times slower than the others."""
+    worker 0 `slowdown` times slower than the others (the notebook uses it too)."""
     rng = np.random.default_rng(seed)
-    mean = np.ones(WORKERS)
-    mean[0] = SLOWDOWN
+    mean = np.ones(workers)
+    mean[0] = slowdown
     events = [(rng.exponential(m), w) for w, m in enumerate(mean)]
     heapq.heapify(events)
     order = []
