@@ -7,6 +7,7 @@ canonical form) or raises a TypeError or ValueError.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,6 +45,16 @@ def require_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return bool(value)
+
+
+def require_skip_rule(value: Any) -> Callable | None:
+    """Checks the `should_skip_update_fn` argument: a callable or None."""
+    if value is not None and not callable(value):
+        raise TypeError(
+            "should_skip_update_fn must be a callable (updates, gradient_step, params) -> "
+            f"bool, or None, got {value!r} ({type(value).__name__})"
+        )
+    return value
 
 
 def require_axis_name(name: str, value: Any) -> Any:

@@ -154,16 +154,6 @@ def skip_rule(
     return jnp.asarray(out)
 
 
-def require_skip_rule(value: Any) -> Callable | None:
-    """Checks the `should_skip_update_fn` argument: a callable or None."""
-    if value is not None and not callable(value):
-        raise TypeError(
-            "should_skip_update_fn must be a callable (updates, gradient_step, params) -> "
-            f"bool, or None, got {value!r} ({type(value).__name__})"
-        )
-    return value
-
-
 def all_finite(tree: Any) -> jax.Array:
     """A scalar bool: True iff no leaf of `tree` holds a NaN or Inf."""
     leaves = jax.tree.leaves(tree)

@@ -167,7 +167,7 @@ def conditional_accumulator(
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
-    skip_rule = _sums.require_skip_rule(should_skip_update_fn)
+    skip_rule = _checks.require_skip_rule(should_skip_update_fn)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
         _checks.require_floating_params(params)

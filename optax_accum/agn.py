@@ -201,7 +201,7 @@ def agn(
     outer = _extra_args.forward_to("outer", outer)
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
-    skip_rule = _sums.require_skip_rule(should_skip_update_fn)
+    skip_rule = _checks.require_skip_rule(should_skip_update_fn)
 
     def sum_dtype(x: Any) -> Any:
         return _sums.accumulator_dtype_for(jnp.result_type(x), acc_dtype)

@@ -137,9 +137,9 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
       True
     """
     tx = _checks.require_transformation("tx", tx)
-    leaves, treedef = jax.tree.flatten(params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     meshes = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for path, leaf in flat:
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, jax.sharding.NamedSharding):
             raise ValueError(
@@ -160,7 +160,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
             jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=jax.sharding.NamedSharding(explicit, x.sharding.spec)
             )
-            for x in leaves
+            for _, x in flat
         ]
     )
     with _compat.mesh_context(explicit):

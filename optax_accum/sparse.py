@@ -368,7 +368,7 @@ def sparse_conditional_accumulator(
     mean = _checks.canonical_reduction(reduction) == "mean"
     axis_name = _checks.require_axis_name("axis_name", axis_name)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
-    skip_rule = _sums.require_skip_rule(should_skip_update_fn)
+    skip_rule = _checks.require_skip_rule(should_skip_update_fn)
     if sparse is not None and not callable(sparse):
         jax.tree.map(lambda m: _checks.require_bool("sparse", m), sparse)
 
