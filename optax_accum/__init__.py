@@ -26,7 +26,13 @@ from optax_accum.staleness import (
     drop_stale_gradients,
     staleness_percentage,
 )
-from optax_accum.state import global_step, has_updated, num_accumulated, set_global_step
+from optax_accum.state import (
+    accumulated,
+    global_step,
+    has_updated,
+    num_accumulated,
+    set_global_step,
+)
 from optax_accum.train_step import apply_gradients
 
 __version__ = "0.1.0"
@@ -73,6 +79,7 @@ __all__ = [
     "SparseConditionalAccumulator",
     "SparseConditionalAccumulatorState",
     "TrainState",
+    "accumulated",
     "agn",
     "apply_gradients",
     "apply_updates",

@@ -13,9 +13,15 @@ The branch body is traced once (`jax.make_jaxpr`) and both forms evaluate that
 jaxpr, so nesting optax_accum transforms traces the innermost optimizer once per
 level rather than once per form.
 
-`release_if` is `update_if` for a release that consumes a sum and resets it: on the
-CPU the released updates travel in the sum's own buffers, so the zero updates of a
-held step need no temporary (docs/design.md).
+`release_if` is `update_if` for a release that consumes a sum, which its caller then
+resets lazily (the next step adds to zeros): the released updates travel in the sum's
+own buffers and come out as `where(pred, sum, 0)`, so a held step needs no temporary
+for its zero updates and the selection fuses into the caller's `apply_updates`.
+
+A branch body that returns such selected updates unchanged (an accumulator inside
+`drop_stale_gradients`, or inside another accumulator) does not select them itself:
+its branch carries the inner predicate instead and selects once, after it ends, so a
+nest of transforms costs one selection per leaf, not one per level (docs/design.md).
 
 `update_if` is also where `apply_gradients` fuses the step: while a
 `_fused.fused_apply` is active, an `update_if` called with the caller's very `params`
@@ -25,10 +31,12 @@ the parameters untouched.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,73 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from optax_accum import _compat, _fused
+
+# --------------------------------------------------------------------------- selections
+#
+# Updates made as `where(pred, buffer, 0)` by a branch, while the body of an enclosing
+# branch is traced, are recorded (by identity) in that body's `_Selections`, so that
+# `_Traced.of` can tell when the body returns them unchanged.
+
+
+class _Selected(NamedTuple):
+    """A body's updates are `where(pred, new_carry[i], 0)` cast to `dtypes[k]`, leaf k
+    of the updates taken from leaf `sources[k]` of the carry the body returns."""
+
+    pred: Any
+    sources: tuple[int, ...]
+    dtypes: tuple[Any, ...]
+    treedef: Any
+
+
+@dataclasses.dataclass
+class _Selections:
+    made: dict[int, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
+
+    def of(self, updates: Any, new_carry: Any) -> _Selected | None:
+        """How `updates` were selected from leaves of `new_carry`, when every leaf was
+        selected by one and the same predicate; None otherwise."""
+        leaves, treedef = jax.tree.flatten(updates)
+        made = [self.made.get(id(u)) for u in leaves]
+        if not leaves or any(m is None or m[0] is not u for m, u in zip(made, leaves)):
+            return None
+        pred = made[0][1]
+        where = {id(x): i for i, x in reversed(list(enumerate(jax.tree.leaves(new_carry))))}
+        sources = [where.get(id(m[2])) for m in made]
+        if any(m[1] is not pred for m in made) or None in sources:
+            return None
+        return _Selected(pred, tuple(sources), tuple(u.dtype for u in leaves), treedef)
+
+
+_SELECTIONS: contextvars.ContextVar[_Selections | None] = contextvars.ContextVar(
+    "_SELECTIONS", default=None
+)
+
+
+@contextlib.contextmanager
+def _recording(on: bool) -> Iterator[_Selections | None]:
+    """A fresh record of selections while a body is traced (None when `on` is False)."""
+    selections = _Selections() if on else None
+    token = _SELECTIONS.set(selections)
+    try:
+        yield selections
+    finally:
+        _SELECTIONS.reset(token)
+
+
+def _selected(pred: jax.Array, buffers: list, dtypes: Any, treedef: Any) -> Any:
+    """The tree `treedef` of `where(pred, buffer, 0)`, leaf for leaf, cast to `dtypes`,
+    recorded for an enclosing body (see `_Traced.of`)."""
+    out = [
+        jnp.where(pred, b, jnp.zeros((), b.dtype)).astype(d)
+        for b, d in zip(buffers, dtypes, strict=True)
+    ]
+    selections = _SELECTIONS.get()
+    if selections is not None:
+        for u, b in zip(out, buffers, strict=True):
+            if _compat.varying_axes(pred) <= _compat.varying_axes(b):
+                selections.made[id(u)] = (u, pred, b)
+    return treedef.unflatten(out)
+
 
 # --------------------------------------------------------------------------- tracing
 
@@ -49,6 +124,10 @@ class _Traced:
     fused train step), as (const position, params leaf): those are read from the
     carry rather than passed again, or the branch would get one buffer twice, once to
     read and once to update, and XLA would copy it.
+
+    `selected` is set when `fn`'s updates were selected from leaves of its new carry by
+    a branch inside it (see `of`): the traced function then returns that branch's
+    predicate in their place, and the caller selects them after its own branch.
     """
 
     closed: ClosedJaxpr
@@ -56,9 +135,10 @@ class _Traced:
     out_shapes: Any
     in_shapes: Any
     shared: tuple[tuple[int, int], ...] = ()
+    selected: _Selected | None = None
 
     @classmethod
-    def of(cls, fn: Callable, carry: Any) -> _Traced:
+    def of(cls, fn: Callable, carry: Any, *, defer: bool = False) -> _Traced:
         """`fn` traced on `carry`, typed so that it can be run on its own output.
 
         `fn` returns `(updates, new_carry)`. Under `jax.shard_map`, a carry leaf that
@@ -67,9 +147,21 @@ class _Traced:
         with the invariant type cannot run on the varying one, so the carry is traced
         again, each such leaf typed as varying, until the types hold still; callers
         pass the operand through `in_shapes` (`_run_if` does).
+
+        With `defer`, updates that `fn` returns exactly as a branch inside it selected
+        them (`where(pred, buffer, 0)`, the buffer a leaf of its new carry) are
+        replaced by that `pred`, and `selected` says where they come from.
         """
+        found: list[_Selected | None] = [None]
+
+        def deferring(carry: Any) -> Any:
+            with _recording(defer) as selections:
+                updates, new = fn(carry)
+            found[0] = None if selections is None else selections.of(updates, new)
+            return (updates, new) if found[0] is None else (found[0].pred, new)
+
         for _ in range(4):  # each pass can only add varying axes, so this ends fast
-            closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(carry)
+            closed, out_shapes = jax.make_jaxpr(deferring, return_shape=True)(carry)
             out_tree = jax.tree.structure(out_shapes)
             # The abstract values, not the shapes: they carry the varying mesh axes on
             # every jax (jax 0.8's ShapeDtypeStruct does not).
@@ -78,7 +170,8 @@ class _Traced:
                 break
             carry = _varying_as(carry, out[1])
         in_shapes = jax.tree.structure(carry).unflatten(closed.in_avals)
-        return cls(closed, out_tree, out, in_shapes)
+        selected = found[0] and found[0]._replace(pred=None)  # keep no tracer
+        return cls(closed, out_tree, out, in_shapes, selected=selected)
 
     def reading_params_from_carry(self, params: Any) -> _Traced:
         # By identity (both objects stay alive here); the first leaf wins a repeat.
@@ -193,37 +286,36 @@ def _loop_form(
     return lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), carry, consts))[1]
 
 
-def _spending_loop_form(pred: jax.Array, traced: _Traced, operand: Any, consts: list) -> tuple:
-    """XLA:CPU, for `release_if`: the zero-or-once loop, carrying the released updates
-    in the buffers of the spent tree.
+@dataclasses.dataclass(frozen=True)
+class _Spending:
+    """`traced` (on an operand `(kept, spent)`) with its updates written over `spent`:
+    it returns `((), (new_kept, updates))`, each update in its `spent` leaf's dtype.
 
     A held step must still return full-size zero updates, and an array that lives only
     within one call is a temporary that XLA:CPU allocates afresh on every call (a page
-    fault per 4 KiB page). Here the body writes the updates over the spent tree, whose
-    buffers are the state's; after the loop, `where(pred, x, 0)` and `where(pred, 0, x)`
-    split them into the updates (cast back to their dtypes) and the reset tree. Both
-    are elementwise, so XLA fuses the first into the caller's `apply_updates` and no
-    temporary is left.
+    fault per 4 KiB page). Carried in the spent tree's buffers (the state's), the
+    updates need none: `release_if` selects them after the branch, `where(pred, x, 0)`,
+    which fuses into the caller's `apply_updates`.
     """
-    kept, spent = operand
-    spent_tree = jax.tree.structure(spent)
-    update_avals, updates_tree = jax.tree.flatten(traced.out_shapes[0])
 
-    def body(loop: tuple) -> tuple:
-        again, (kept, x), consts = loop
-        updates, (new_kept, _) = traced(_tied_to(again, consts), (kept, x))
-        updates = spent_tree.unflatten(jax.tree.leaves(updates))
-        return jnp.logical_not(again), (_as_carry(new_kept, kept), _as_carry(updates, x)), consts
+    traced: _Traced
 
-    loop = (jnp.asarray(pred), (kept, spent), consts)
-    kept, x = lax.while_loop(lambda loop: loop[0], body, loop)[1]
-    leaves = jax.tree.leaves(x)
-    updates = [
-        jnp.where(pred, t, jnp.zeros((), t.dtype)).astype(u.dtype)
-        for t, u in zip(leaves, update_avals, strict=True)
-    ]
-    spent = [jnp.where(pred, jnp.zeros((), t.dtype), t) for t in leaves]
-    return updates_tree.unflatten(updates), (kept, spent_tree.unflatten(spent))
+    @property
+    def consts(self) -> list:
+        return self.traced.consts
+
+    @property
+    def in_shapes(self) -> Any:
+        return self.traced.in_shapes
+
+    @property
+    def out_shapes(self) -> Any:
+        return (), (self.traced.out_shapes[1][0], self.traced.in_shapes[1])
+
+    def __call__(self, consts: list, carry: Any) -> Any:
+        updates, (new_kept, _) = self.traced(consts, carry)
+        spent = jax.tree.structure(carry[1]).unflatten(jax.tree.leaves(updates))
+        return (), (new_kept, spent)
 
 
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
@@ -237,7 +329,7 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
 
 
 def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
-    """Whether `_spending_loop_form` may carry `updates` in `spent`'s buffers: leaf for
+    """Whether `_Spending` may carry `updates` in `spent`'s buffers: leaf for
     leaf the same shapes and varying mesh axes, a dtype that holds the updates exactly
     (bfloat16 updates in a float32 sum), and a `pred` that varies over no axis they do
     not."""
@@ -254,27 +346,28 @@ def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
     )
 
 
-def _run_if(
-    pred: jax.Array, traced: _Traced, operand: Any, held: Callable, *, spending: bool = False
-) -> tuple:
+def _run_if(pred: jax.Array, traced: Any, operand: Any, held: Callable) -> tuple:
     """`traced(operand)` if `pred`, else `(held(...), operand)`, in the form the
-    backend runs best (chosen when the program is lowered for it). `spending` picks
-    `_spending_loop_form` on the CPU (see `release_if`)."""
+    backend runs best (chosen when the program is lowered for it).
 
+    When `traced.selected`, the body's updates are selected after the branch from the
+    carry it returns: a held step carries a False predicate and no updates."""
+    selected = getattr(traced, "selected", None)
+    if selected is not None:
+        held = lambda salted: jnp.zeros((), jnp.bool_)  # noqa: E731
     operand = _varying_as(operand, traced.in_shapes)
-
-    def on_cpu(p: jax.Array, op: Any, k: list) -> tuple:
-        if spending:
-            return _spending_loop_form(p, traced, op, k)
-        return _loop_form(p, traced, op, k, held)
-
-    return lax.platform_dependent(
+    first, operand = lax.platform_dependent(
         pred,
         operand,
         traced.consts,
-        cpu=on_cpu,
+        cpu=lambda p, op, k: _loop_form(p, traced, op, k, held),
         default=lambda p, op, k: _cond_form(p, traced, op, k, held),
     )
+    if selected is None:
+        return first, operand
+    leaves = jax.tree.leaves(operand)
+    buffers = [leaves[i] for i in selected.sources]
+    return _selected(first, buffers, selected.dtypes, selected.treedef), operand
 
 
 # --------------------------------------------------------------------------- zeros
@@ -309,22 +402,6 @@ def unmerged_zeros(like: Any, salt: jax.Array) -> Any:
         return jnp.broadcast_to((high & (i + 1)).astype(s.dtype), s.shape, out_sharding=sharding)
 
     return treedef.unflatten([zeros(i, s) for i, s in enumerate(leaves)])
-
-
-def zeroed(tree: Any, salt: jax.Array) -> Any:
-    """Zeros shaped like `tree`, to replace it inside a releasing branch.
-
-    On the CPU each leaf is overwritten in its own buffer, `where(salt < 0, x, 0)`
-    for a replicated int32 `salt >= 0` that XLA cannot fold; a fresh broadcast would be
-    merged with the others and copied over the loop-carried buffer. Plain zeros on TPU
-    and GPU.
-    """
-
-    def on_cpu(tree: Any) -> Any:
-        keep = salt < 0
-        return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros((), x.dtype)), tree)
-
-    return lax.platform_dependent(tree, cpu=on_cpu, default=optax.tree.zeros_like)
 
 
 # --------------------------------------------------------------------------- public helpers
@@ -386,7 +463,7 @@ def update_if(
         traced = traced.reading_params_from_carry(params)
     else:
         operand = state
-        traced = _Traced.of(fn, operand)
+        traced = _Traced.of(fn, operand, defer=held is None)
     updates, operand = _run_if(pred, traced, operand, _held_zeros(traced, salt, held))
     if sink is None:
         return updates, operand
@@ -404,28 +481,31 @@ def release_if(
     salt: jax.Array,
     params: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """`update_if` for a release that consumes a tree and resets it to zeros (a sum of
-    gradients): `fn(kept, spent)` returns `(updates, new_kept)`; the result is
-    `(updates, new_kept, zeros)` when `pred` holds, else `(zeros, kept, spent)`.
+    """`update_if` for a release that consumes `spent` (a sum of gradients), which the
+    caller resets lazily: `fn(kept, spent)` returns `(updates, new_kept)`, and the result
+    is `(updates, new_kept, spent_after)`, or `(zeros, kept, spent)` when `pred` does
+    not hold.
 
-    On the CPU, when the updates match `spent` leaf for leaf, the branch carries them
-    in `spent`'s buffers (see `_spending_loop_form`), so a held step needs no
-    temporary for its zero updates.
+    After a release `spent_after` holds no meaningful values (mostly the updates, which
+    travel in its buffers: see `_Spending`); the caller treats it as zeros from then on
+    (`_sums.restarted`), so no step spends a pass over it on writing zeros.
     """
 
     def whole(operand: tuple) -> tuple:
         kept, spent = operand
         updates, kept = fn(kept, spent)
-        return updates, (kept, zeroed(spent, salt))
+        return updates, (kept, spent)
 
     if _fused.sink_for(params) is not None:  # the fused step carries the params instead
         updates, (kept, spent) = update_if(pred, whole, (kept, spent), salt=salt, params=params)
         return updates, kept, spent
-    traced = _Traced.of(whole, (kept, spent))
-    spending = _can_spend(pred, traced.out_shapes[0], traced.in_shapes[1])
-    updates, (kept, spent) = _run_if(
-        pred, traced, (kept, spent), _held_zeros(traced, salt), spending=spending
-    )
+    traced = _Traced.of(whole, (kept, spent), defer=True)
+    if traced.selected is None and _can_spend(pred, traced.out_shapes[0], traced.in_shapes[1]):
+        _, (kept, x) = _run_if(pred, _Spending(traced), (kept, spent), lambda salted: ())
+        updates, treedef = jax.tree.flatten(traced.out_shapes[0])
+        dtypes = tuple(u.dtype for u in updates)
+        return _selected(pred, jax.tree.leaves(x), dtypes, treedef), kept, x
+    updates, (kept, spent) = _run_if(pred, traced, (kept, spent), _held_zeros(traced, salt))
     return updates, kept, spent
 
 

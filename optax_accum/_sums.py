@@ -50,6 +50,16 @@ def row_zeros(param: Any, dtype: Any) -> jax.Array:
     return jnp.zeros(rows, dtype, out_sharding=_compat.leading_axis_sharding(param))
 
 
+def restarted(emitted: jax.Array, accumulator: jax.Array) -> jax.Array:
+    """The running sum as the next gradient finds it: zeros after a release (`emitted`).
+
+    A release leaves the sum's buffer holding whatever it spent it on (the updates,
+    which travel in it: see `_branch.release_if`); the next step adds to zeros instead,
+    in the same pass as its addition, so no step spends a pass writing zeros.
+    """
+    return jnp.where(emitted, jnp.zeros((), accumulator.dtype), accumulator)
+
+
 def add_where(
     accepted: jax.Array,
     accumulator: jax.Array,

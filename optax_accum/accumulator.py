@@ -37,7 +37,10 @@ class ConditionalAccumulatorState(NamedTuple):
         non-finite gradient under `skip_nonfinite=True` counts in `num_nonfinite` only.
       emitted: bool, whether the last `update` released an update.
       accumulator: the running sum of accepted gradients, in the accumulator dtype
-        (under an `axis_name`, each replica holds the sum of its own gradients).
+        (under an `axis_name`, each replica holds the sum of its own gradients). A
+        release spends it: while `emitted` is True it holds no sum (on the CPU, the
+        released updates travel in its buffers) and the next `update` starts from
+        zeros. `optax_accum.accumulated(state)` reads the sum, zeros after a release.
       inner_state: the wrapped optimizer's state.
 
     Example:
@@ -223,12 +226,14 @@ def conditional_accumulator(
         emit = count >= required(state.global_step)
 
         accumulator = jax.tree.map(
-            lambda a, g: _sums.add_where(accepted, a, g, w), state.accumulator, updates
+            lambda a, g: _sums.add_where(accepted, _sums.restarted(state.emitted, a), g, w),
+            state.accumulator,
+            updates,
         )
 
         # A held step is the addition above, in place, and passes the inner state and
-        # the sum on untouched; the release feeds the sum to `inner` and zeroes it
-        # (see _branch).
+        # the sum on untouched; the release feeds the sum to `inner`, and the next step
+        # restarts the sum (see _branch).
         def release(inner_state, accumulator):
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
             if mean:

@@ -138,6 +138,54 @@ def num_accumulated(state: Any) -> jax.Array:
     return _own_buffer(_step_state(state, "count").count)
 
 
+def accumulated(state: Any) -> Any:
+    """The running sum of gradients in the outermost `conditional_accumulator` or `agn`
+    state in `state`: zeros right after a release.
+
+    A release spends the state's `accumulator` field (the next `update` starts from
+    zeros, and on the CPU the released updates travel in its buffers), so read the sum
+    here rather than from the field. Under an `axis_name`, each replica holds the sum of
+    its own gradients.
+
+    TF counterpart: none (TF keeps the sum inside the accumulator op).
+
+    Args:
+      state: the state of `conditional_accumulator` or `agn`, or any state holding one
+        (a chain's tuple, an `inject_hyperparams` or `MultiSteps` state, a dict, a
+        batch of states made under `jax.vmap`).
+
+    Returns:
+      A tree like the params, in the accumulator's dtype, in buffers of its own.
+
+    Raises:
+      ValueError: when `state` holds no `ConditionalAccumulatorState` or `AGNState`.
+
+    Example:
+      >>> import optax, optax_accum, jax.numpy as jnp
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> _, state = tx.update(jnp.ones(2), state)
+      >>> optax_accum.accumulated(state)
+      Array([1., 1.], dtype=float32)
+      >>> _, state = tx.update(jnp.ones(2), state)  # released
+      >>> optax_accum.accumulated(state)
+      Array([0., 0.], dtype=float32)
+    """
+    found = _state_tree.find(state, (ConditionalAccumulatorState, AGNState))
+    if found is None:
+        raise ValueError(
+            "state holds no ConditionalAccumulatorState or AGNState (from "
+            f"conditional_accumulator or agn); got {type(state).__name__}"
+        )
+    spent = jnp.asarray(found.emitted)
+
+    def read(a: jax.Array) -> jax.Array:
+        flag = spent.reshape(spent.shape + (1,) * (a.ndim - spent.ndim))
+        return jnp.where(flag, jnp.zeros((), a.dtype), a)
+
+    return jax.tree.map(read, found.accumulator)
+
+
 def has_updated(state: Any) -> jax.Array:
     """Whether the last `update` of the outermost transform in `state` released an update.
 
@@ -257,4 +305,4 @@ def _warn_if_lowered(new: np.ndarray, old: np.ndarray) -> None:
     )
 
 
-__all__ = ["global_step", "has_updated", "num_accumulated", "set_global_step"]
+__all__ = ["accumulated", "global_step", "has_updated", "num_accumulated", "set_global_step"]

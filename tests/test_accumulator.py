@@ -294,7 +294,7 @@ def test_matches_numpy_reference(k, mean, events):
         np.testing.assert_allclose(offer(grad, local_step), ref.offer(grad, local_step))
         assert int(optax_accum.global_step(box["state"])) == ref.gs
         assert int(optax_accum.num_accumulated(box["state"])) == ref.count
-    np.testing.assert_allclose(box["state"].accumulator, ref.acc)
+    np.testing.assert_allclose(optax_accum.accumulated(box["state"]), ref.acc)
 
 
 # --------------------------------------------------------------------------- anchors

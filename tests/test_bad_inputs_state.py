@@ -1,5 +1,5 @@
 """Malformed calls to the state accessors (global_step, num_accumulated, has_updated,
-set_global_step) get a clear error.
+accumulated, set_global_step) get a clear error.
 
 Each entry of BAD is one malformed call; tests/_bad_inputs.py says what a clear error
 is and holds the fixtures every table shares.
@@ -34,6 +34,12 @@ BAD: list[Bad] = [
         lambda: optax_accum.num_accumulated(drop_tx().init(PARAMS)),
         ValueError,
         r"DropStaleGradientsState has no 'count' field",
+    ),
+    Bad(
+        "accumulated/drop_stale_gradients keeps no sum",
+        lambda: optax_accum.accumulated(drop_tx().init(PARAMS)),
+        ValueError,
+        r"state holds no ConditionalAccumulatorState or AGNState.*got DropStaleGradientsState",
     ),
     Bad(
         "has_updated/no step state",

@@ -35,8 +35,19 @@ import optax_accum
 # decay (multiply), momentum (multiply).
 OPTIMIZER_OPS = {"multiply", "divide", "sqrt", "rsqrt", "power", "exponential", "log"}
 # What a fused held step may run on a full-size array: `acc + g`, in a fusion, with
-# a convert when the gradient's dtype is not the accumulator's.
-ACCUMULATE_OPS = {"add", "convert", "fusion", "parameter", "get-tuple-element", "bitcast"}
+# a convert when the gradient's dtype is not the accumulator's, and the selection of
+# zeros in place of the sum after a release (`_sums.restarted`: a select of a
+# broadcast 0, in the same fusion).
+ACCUMULATE_OPS = {
+    "add",
+    "convert",
+    "fusion",
+    "parameter",
+    "get-tuple-element",
+    "bitcast",
+    "select",
+    "broadcast",
+}
 
 INNERS = {
     "adam": lambda: lenient(optax.adam(1e-3)),

@@ -19,7 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optax_accum import IndexedSlices, conditional_accumulator, sparse_conditional_accumulator
+from optax_accum import (
+    IndexedSlices,
+    accumulated,
+    conditional_accumulator,
+    sparse_conditional_accumulator,
+)
 
 # weight None: the default (1). The others are exact in float32, and so are their sums.
 _WEIGHTS = st.sampled_from([None, 0.0, 0.5, 1.0, 2.0, 3.25, 7])
@@ -109,7 +114,7 @@ def test_dense_matches_numpy_reference(k, mean, events):
         ref.nonfinite,
         ref.skipped,
     )
-    np.testing.assert_allclose(np.asarray(state.accumulator), ref.acc, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(accumulated(state)), ref.acc, rtol=1e-6, atol=1e-6)
 
 
 def test_default_weight_is_weight_one_bit_for_bit():
