@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
@@ -72,7 +71,7 @@ class _Selections:
         selected by one and the same predicate; None otherwise."""
         leaves, treedef = jax.tree.flatten(updates)
         made = [self.made.get(id(u)) for u in leaves]
-        if not leaves or any(m is None or m[0] is not u for m, u in zip(made, leaves)):
+        if not leaves or any(m is None or m[0] is not u for m, u in zip(made, leaves, strict=True)):
             return None
         pred = made[0][1]
         where = {id(x): i for i, x in reversed(list(enumerate(jax.tree.leaves(new_carry))))}
