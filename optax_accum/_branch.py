@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from optax_accum import _compat, _fused
+from optax_accum import _compat, _fused, _sums
 
 # --------------------------------------------------------------------------- selections
 #
@@ -101,7 +101,7 @@ def _selected(pred: jax.Array, buffers: list, dtypes: Any, treedef: Any) -> Any:
     """The tree `treedef` of `where(pred, buffer, 0)`, leaf for leaf, cast to `dtypes`,
     recorded for an enclosing body (see `_Traced.of`)."""
     out = [
-        jnp.where(pred, b, jnp.zeros((), b.dtype)).astype(d)
+        _sums.zeros_unless(pred, b).astype(d)
         for b, d in zip(buffers, dtypes, strict=True)
     ]
     selections = _SELECTIONS.get()
@@ -159,8 +159,11 @@ class _Traced:
             found[0] = None if selections is None else selections.of(updates, new)
             return (updates, new) if found[0] is None else (found[0].pred, new)
 
+        # One jit call: both forms then bind it as one equation that refers to the body,
+        # rather than binding each of its equations again (trace time; XLA inlines it).
+        deferring.__name__ = "branch_body"
         for _ in range(4):  # each pass can only add varying axes, so this ends fast
-            closed, out_shapes = jax.make_jaxpr(deferring, return_shape=True)(carry)
+            closed, out_shapes = jax.make_jaxpr(jax.jit(deferring), return_shape=True)(carry)
             out_tree = jax.tree.structure(out_shapes)
             # The abstract values, not the shapes: they carry the varying mesh axes on
             # every jax (jax 0.8's ShapeDtypeStruct does not).

@@ -59,8 +59,8 @@ def _add(
     if rows is None:
         return acc._replace(
             values=_sums.add_where(accepted, acc.values, gradient, weight),
-            touches=jnp.where(accepted, acc.touches + 1, acc.touches),
-            weights=jnp.where(accepted, acc.weights + added, acc.weights),
+            touches=_sums.select(accepted, acc.touches + 1, acc.touches),
+            weights=_sums.select(accepted, acc.weights + added, acc.weights),
         )
     ids, values = rows
     ids = jnp.where(accepted, ids, acc.values.shape[0])

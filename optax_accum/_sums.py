@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from optax_accum import _compat
 
@@ -50,6 +51,29 @@ def row_zeros(param: Any, dtype: Any) -> jax.Array:
     return jnp.zeros(rows, dtype, out_sharding=_compat.leading_axis_sharding(param))
 
 
+def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """`jnp.where(pred, on_true, on_false)`; for a scalar bool `pred` and two arrays of
+    one shape and dtype, a single `select_n`. `jnp.where` is a jit call of its own,
+    which a step over hundreds of leaves pays hundreds of times when it is traced and
+    lowered."""
+    same = (
+        jnp.ndim(pred) == 0
+        and jnp.result_type(pred) == jnp.bool_
+        and isinstance(on_true, jax.Array)
+        and isinstance(on_false, jax.Array)
+        and on_true.shape == on_false.shape
+        and on_true.dtype == on_false.dtype
+    )
+    if same:
+        return lax.select_n(pred, on_false, on_true)
+    return jnp.where(pred, on_true, on_false)
+
+
+def zeros_unless(pred: jax.Array, x: jax.Array) -> jax.Array:
+    """`x` where `pred` holds, zeros (like `x`) elsewhere: a selection."""
+    return select(pred, x, jnp.zeros_like(x))
+
+
 def restarted(emitted: jax.Array, accumulator: jax.Array) -> jax.Array:
     """The running sum as the next gradient finds it: zeros after a release (`emitted`).
 
@@ -57,7 +81,7 @@ def restarted(emitted: jax.Array, accumulator: jax.Array) -> jax.Array:
     which travel in it: see `_branch.release_if`); the next step adds to zeros instead,
     in the same pass as its addition, so no step spends a pass writing zeros.
     """
-    return jnp.where(emitted, jnp.zeros((), accumulator.dtype), accumulator)
+    return select(emitted, jnp.zeros_like(accumulator), accumulator)
 
 
 def add_where(
@@ -72,9 +96,9 @@ def add_where(
     a `weight` nothing is multiplied; a zero weight adds nothing (not even a NaN).
     """
     if weight is None:
-        return jnp.where(accepted, accumulator + gradient.astype(accumulator.dtype), accumulator)
+        return select(accepted, accumulator + gradient.astype(accumulator.dtype), accumulator)
     added = weighted(gradient, weight, accumulator.dtype)
-    return jnp.where(accepted & (weight > 0), accumulator + added, accumulator)
+    return select(accepted & (weight > 0), accumulator + added, accumulator)
 
 
 def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:
@@ -84,13 +108,13 @@ def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Arr
         return values.astype(dtype)
     compute = jnp.promote_types(dtype, jnp.float32)
     product = values.astype(compute) * weight.astype(compute)
-    return jnp.where(weight > 0, product, jnp.zeros((), compute)).astype(dtype)
+    return zeros_unless(weight > 0, product).astype(dtype)
 
 
 def mean_divisor(weights: jax.Array, dtype: Any) -> jax.Array:
     """The divisor of a weighted mean: the weight sum, or 1 where it is 0 (the sum is
     then 0 too, so the mean is 0)."""
-    return jnp.where(weights > 0, weights, jnp.ones((), weights.dtype)).astype(dtype)
+    return select(weights > 0, weights, jnp.ones_like(weights)).astype(dtype)
 
 
 def weight_or_none(weight: Any) -> tuple[jax.Array | None, jax.Array]:
@@ -174,4 +198,4 @@ def all_finite(tree: Any) -> jax.Array:
 
 def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """Leafwise `jnp.where(pred, a, b)`: a selection, never a 0/1 multiply."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+    return jax.tree.map(lambda a, b: select(pred, a, b), on_true, on_false)

@@ -511,7 +511,7 @@ def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseR
     `_row_buffer`)."""
     if _is_buffer(acc):
         return acc._replace(size=jnp.where(emit, 0, acc.size))
-    return jax.tree.map(lambda x: jnp.where(emit, jnp.zeros((), x.dtype), x), acc)
+    return jax.tree.map(lambda x: _sums.zeros_unless(~emit, x), acc)
 
 
 def _as_padding(tree: Any) -> Any:
