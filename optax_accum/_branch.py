@@ -100,10 +100,7 @@ def _recording(on: bool) -> Iterator[_Selections | None]:
 def _selected(pred: jax.Array, buffers: list, dtypes: Any, treedef: Any) -> Any:
     """The tree `treedef` of `where(pred, buffer, 0)`, leaf for leaf, cast to `dtypes`,
     recorded for an enclosing body (see `_Traced.of`)."""
-    out = [
-        _sums.zeros_unless(pred, b).astype(d)
-        for b, d in zip(buffers, dtypes, strict=True)
-    ]
+    out = [_sums.zeros_unless(pred, b).astype(d) for b, d in zip(buffers, dtypes, strict=True)]
     selections = _SELECTIONS.get()
     if selections is not None:
         for u, b in zip(out, buffers, strict=True):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _compat, _row_buffer, _row_ids, _sums
+from optax_accum import _branch, _compat, _row_buffer, _row_ids, _sums
 from optax_accum.indexed_slices import IndexedSlices
 
 if TYPE_CHECKING:
@@ -27,9 +27,14 @@ def add_all(
     grads: list,
     weight: jax.Array | None,
     axis_name: Any,
+    restart: jax.Array,
 ) -> tuple[list[DenseRows], jax.Array]:
     """The dense leaves with their gradients added if `accepted`, and how many row ids
     of their `IndexedSlices` gradients lay outside the leaves (ignored).
+
+    After a release (`restart`), the leaves' sums, counts and weights start from zeros:
+    a dense gradient selects them in the pass that adds it; before an `IndexedSlices`
+    gradient's scatter, a branch zeroes them (only on that step).
 
     Under `axis_name`, each replica first sums its own gradient's duplicate ids in a
     fixed order, as for the row buffers, so its scatter meets no duplicate ids and gives
@@ -44,12 +49,17 @@ def add_all(
             rows = (_row_ids.row_ids(g.indices, num_rows), g.values)
             if axis_name is not None:
                 rows = _row_buffer.combined(*rows, dtype=acc.values.dtype, num_rows=num_rows)
-        added.append(_add(accepted, acc, g, rows, weight))
+        added.append(_add(accepted, acc, g, rows, weight, restart))
     return added, out_of_range
 
 
 def _add(
-    accepted: jax.Array, acc: DenseRows, gradient: Any, rows: Any, weight: jax.Array | None
+    accepted: jax.Array,
+    acc: DenseRows,
+    gradient: Any,
+    rows: Any,
+    weight: jax.Array | None,
+    restart: jax.Array,
 ) -> DenseRows:
     """A dense leaf's accumulation, each row weighted by `weight` (None: 1). An
     `IndexedSlices` gradient (given as `rows`, a pair of int32 row ids and values) is
@@ -57,11 +67,13 @@ def _add(
     of range, so nothing is written."""
     added = 1 if weight is None else weight
     if rows is None:
+        acc = jax.tree.map(lambda x: _sums.restarted(restart, x), acc)
         return acc._replace(
             values=_sums.add_where(accepted, acc.values, gradient, weight),
             touches=_sums.select(accepted, acc.touches + 1, acc.touches),
             weights=_sums.select(accepted, acc.weights + added, acc.weights),
         )
+    acc = _branch.apply_if(restart, lambda a: jax.tree.map(jnp.zeros_like, a), acc)
     ids, values = rows
     ids = jnp.where(accepted, ids, acc.values.shape[0])
     # Every occurrence of a row writes the same count, so duplicates count once.

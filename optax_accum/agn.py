@@ -10,7 +10,6 @@ and the centre lives in the state, so it checkpoints with everything else.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -45,7 +44,10 @@ class AGNState(NamedTuple):
       emitted: bool, whether the last `update` was a sync step (the centre moved and
         the local parameters were pulled to it).
       accumulator: the sum of this round's raw gradients, in the accumulator dtype
-        (this replica's own). Empty in the delta variant, which needs none.
+        (this replica's own). Empty in the delta variant, which needs none. A sync
+        spends it: while `emitted` is True it still holds the last round's sum, and
+        the next `update` starts from zeros; `optax_accum.accumulated(state)` reads
+        this round's sum.
       centre: the shared centre parameters (TF's global centre variables); the same on
         every replica.
       inner_state: the local optimizer's state (this replica's own), kept across syncs.
@@ -271,14 +273,17 @@ def agn(
                 round_skipped, (finite & rule).astype(jnp.int32)
             )
         if not delta:
+            # The sum restarts after a sync (see `_sums.restarted`).
             accumulator = jax.tree.map(
-                functools.partial(_sums.add_where, kept), accumulator, updates
+                lambda a, g: _sums.add_where(kept, _sums.restarted(state.emitted, a), g),
+                accumulator,
+                updates,
             )
         count = state.count + 1
         sync = count >= period
 
         def commit_round(carry):
-            accumulator, centre, outer_state, skipped = carry
+            centre, outer_state, skipped = carry
             if delta:
                 local = optax.apply_updates(params, local_updates)
                 pseudo = jax.tree.map(
@@ -301,12 +306,11 @@ def agn(
                 num_nonfinite = _counters.saturating_add(num_nonfinite, this_round[0])
                 num_skipped = _counters.saturating_add(num_skipped, this_round[1])
                 skipped = ((num_nonfinite, num_skipped), jax.tree.map(jnp.zeros_like, rounds))
-            zeros = optax.tree.zeros_like(accumulator)
-            return zeros, centre, outer_state, skipped
+            return centre, outer_state, skipped
 
         skipped = ((state.num_nonfinite, state.num_skipped), (round_nonfinite, round_skipped))
-        accumulator, centre, outer_state, skipped = _branch.apply_if(
-            sync, commit_round, (accumulator, state.centre, state.outer_state, skipped)
+        centre, outer_state, skipped = _branch.apply_if(
+            sync, commit_round, (state.centre, state.outer_state, skipped)
         )
         (num_nonfinite, num_skipped), (round_nonfinite, round_skipped) = skipped
         pull = optax.tree.cast_like(jax.tree.map(lambda c, p: c - p, centre, params), local_updates)

@@ -81,6 +81,9 @@ class DenseRows(NamedTuple):
     TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
     for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
 
+    A release spends all three: while the state's `emitted` is True they still hold
+    the last window's values, and the next `update` starts from zeros.
+
     Attributes:
       values: the sum of the accepted gradients, shaped like the param, in the
         accumulator's dtype (float32 for float16 and bfloat16 params).
@@ -414,7 +417,9 @@ def sparse_conditional_accumulator(
         rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
         kept = weight_ok if rule is None else weight_ok & ~rule
         offered = fresh & finite & kept
-        accs, accepted, overflow, out_of_range = _accumulate(grads, accs, offered, w, axis_name)
+        accs, accepted, overflow, out_of_range = _accumulate(
+            grads, accs, offered, w, axis_name, state.emitted
+        )
         accumulator = jax.tree.unflatten(
             jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
         )
@@ -445,20 +450,26 @@ def sparse_conditional_accumulator(
 
 
 def _accumulate(
-    grads: list, accs: list, offered: jax.Array, w: jax.Array | None, axis_name: Any
+    grads: list,
+    accs: list,
+    offered: jax.Array,
+    w: jax.Array | None,
+    axis_name: Any,
+    restart: jax.Array,
 ) -> tuple[list, jax.Array, jax.Array, jax.Array]:
     """The accumulators with the gradient added if it is offered and fits: the row
     buffers take it (under `axis_name`, every replica's, in replica order) whole or not
     at all, then the dense leaves add it if the buffers took it. Also returns whether
     this replica's gradient was accepted, whether it overflowed, and how many of its
-    row ids lay outside their leaves (ignored: they cannot raise under jit)."""
+    row ids lay outside their leaves (ignored: they cannot raise under jit). After a
+    release (`restart`) the dense leaves start from zeros (see `_dense_rows.add_all`)."""
     sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
     dense_at = [i for i, a in enumerate(accs) if not _is_buffer(a)]
     buffers, accepted, overflow, sparse_out = _row_buffer.offer(
         [accs[i] for i in sparse_at], [grads[i] for i in sparse_at], offered, w, axis_name
     )
     dense, dense_out = _dense_rows.add_all(
-        accepted, [accs[i] for i in dense_at], [grads[i] for i in dense_at], w, axis_name
+        accepted, [accs[i] for i in dense_at], [grads[i] for i in dense_at], w, axis_name, restart
     )
     accs = list(accs)
     for i, a in zip(sparse_at + dense_at, buffers + dense, strict=True):
@@ -507,11 +518,11 @@ def _next_state(
 
 
 def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseRows:
-    """The accumulator emptied if `emit`; a row buffer only resets `size` (see
-    `_row_buffer`)."""
+    """The accumulator emptied if `emit`: a row buffer resets `size` (see `_row_buffer`);
+    a dense leaf is left as it is, and the next step starts it from zeros."""
     if _is_buffer(acc):
         return acc._replace(size=jnp.where(emit, 0, acc.size))
-    return jax.tree.map(lambda x: _sums.zeros_unless(~emit, x), acc)
+    return acc
 
 
 def _as_padding(tree: Any) -> Any:
