@@ -1,0 +1,177 @@
+"""Nested transforms: the values they release, and what they compile to.
+
+A nest selects its updates once: the inner release's `where(pred, sum, 0)` is not
+written into the enclosing branch's carry but selected after it, and every sum restarts
+lazily after its release (docs/design.md, "Sums restart lazily"). Checked here:
+
+- values, in float64, against the anchors: `conditional_accumulator` k deep with n_i
+  per level is one level with their product, and `optax.MultiSteps` with it (equal
+  windows, so the mean of means is the mean), `drop_stale_gradients` around an
+  accumulator drops what it should and passes the rest, in the canonical step and in
+  `apply_gradients`, mixed precision included;
+- `optax_accum.accumulated` reads each level's sum, zeros right after its release;
+- the XLA:CPU program: each level adds at most one kernel per leaf (its addition),
+  `drop_stale_gradients` none, and the accelerators keep a `stablehlo.case` per level.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _cases import adam, lenient
+
+import optax_accum
+from optax_accum import _compat
+
+CA = optax_accum.conditional_accumulator
+DS = optax_accum.drop_stale_gradients
+LEAVES = 6
+
+
+def _params(dtype=jnp.float32) -> dict:
+    return {f"w{i}": jnp.full((3 + i, 4), 0.1 * (i + 1), dtype) for i in range(LEAVES)}
+
+
+def _grads(i: int, params: dict) -> dict:
+    return jax.tree.map(lambda p: jnp.sin(jnp.ones_like(p) * (i + 1) + p * 3.0), params)
+
+
+def _canonical(tx, params, state, grads, extra):
+    updates, state = tx.update(grads, state, params, **extra)
+    return optax.apply_updates(params, updates), state
+
+
+def _fused(tx, params, state, grads, extra):
+    return optax_accum.apply_gradients(tx, grads, state, params, **extra)
+
+
+STEPS = {"canonical": _canonical, "apply_gradients": _fused}
+
+
+def _train(tx, steps: int, *, step=_canonical, dtype=jnp.float32, extra=lambda i, s: {}):
+    params = _params(dtype)
+    state = tx.init(params)
+    run = jax.jit(functools.partial(step, tx), donate_argnums=(0, 1))
+    for i in range(steps):
+        params, state = run(params, state, _grads(i, params), extra(i, state))
+    return params, state
+
+
+@pytest.mark.parametrize("pattern", sorted(STEPS))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_accumulators_k_deep_are_multisteps_of_the_product(depth, pattern):
+    with _compat.enable_x64():
+        tx = adam(0.05)
+        for n in (2, 3, 2)[:depth]:
+            tx = CA(tx, n)
+        every = int(np.prod((2, 3, 2)[:depth]))
+        steps = 2 * every + 1  # two releases, then one held step
+        got, state = _train(tx, steps, step=STEPS[pattern], dtype=jnp.float64)
+        flat, _ = _train(CA(adam(0.05), every), steps, dtype=jnp.float64)
+        # MultiSteps keeps its running mean with float32 weights: ~1e-9 off in float64.
+        multisteps = lenient(optax.MultiSteps(optax.adam(0.05), every))
+        want, _ = _train(multisteps, steps, dtype=jnp.float64)
+        for k in want:
+            np.testing.assert_allclose(got[k], flat[k], rtol=1e-12, atol=1e-14)
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-7, atol=1e-9)
+            assert not np.allclose(got[k], _params(jnp.float64)[k])  # the steps moved it
+        outermost = (2, 3, 2)[depth - 1]
+        assert int(optax_accum.global_step(state)) == steps // outermost
+
+
+@pytest.mark.parametrize("pattern", sorted(STEPS))
+def test_drop_stale_around_an_accumulator_drops_and_passes(pattern):
+    """Tags lag by 0, 1 or 2 behind drop_stale's step; staleness 1 drops lag 2. The
+    accepted gradients go to the accumulator, fresh by its own step."""
+    lags = [0, 1, 2, 0, 0, 2, 1, 0]
+
+    def tag(i, state):
+        return {"local_step": optax_accum.global_step(state) - lags[i]}
+
+    with _compat.enable_x64():
+        inner = functools.partial(CA, adam(0.05), 2)
+        got, state = _train(
+            DS(inner(), 1), len(lags), step=STEPS[pattern], dtype=jnp.float64, extra=tag
+        )
+        # The same gradients, those of lag 2 left out, straight into the accumulator.
+        params = _params(jnp.float64)
+        ref_tx = inner()
+        ref_state = ref_tx.init(params)
+        for i, lag in enumerate(lags):
+            if lag <= 1:
+                params, ref_state = _canonical(ref_tx, params, ref_state, _grads(i, params), {})
+        for k in params:
+            np.testing.assert_allclose(got[k], params[k], rtol=1e-12, atol=1e-14)
+        assert int(state.num_dropped) == lags.count(2)
+        assert int(optax_accum.num_accumulated(state)) == int(ref_state.count)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_nests_match_one_level(dtype):
+    """bfloat16 / float16 updates ride in float32 sums at every level."""
+    nested, _ = _train(DS(CA(CA(optax.sgd(0.5), 2), 1), 3), 6, dtype=dtype)
+    flat, _ = _train(CA(optax.sgd(0.5), 2), 6, dtype=dtype)
+    for k in flat:
+        assert nested[k].dtype == dtype
+        np.testing.assert_array_equal(np.asarray(nested[k]), np.asarray(flat[k]))
+
+
+def test_accumulated_reads_each_level_zeros_after_its_release():
+    params = {"w": jnp.zeros(2)}
+    tx = CA(CA(optax.sgd(1.0), 2), 2)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    sums = []
+    for g in (1.0, 2.0, 3.0):
+        _, state = step({"w": jnp.full(2, g)}, state)
+        sums.append(
+            (
+                float(optax_accum.accumulated(state)["w"][0]),
+                float(optax_accum.accumulated(state.inner_state)["w"][0]),
+            )
+        )
+    # outer: 1, released (zeros), 3; inner: nothing, then the mean 1.5, still held.
+    assert sums == [(1.0, 0.0), (0.0, 1.5), (3.0, 1.5)]
+    batched = jax.vmap(tx.init)({"w": jnp.zeros((3, 2))})
+    batched = batched._replace(emitted=jnp.array([True, False, True]))
+    assert optax_accum.accumulated(batched)["w"].shape == (3, 2)
+
+
+# --------------------------------------------------------------------------- programs
+
+
+def _fusions(tx) -> int:
+    params = _params()
+    state = tx.init(params)
+    step = jax.jit(functools.partial(_canonical, tx), donate_argnums=(0, 1))
+    text = step.lower(params, state, params, {}).compile().as_text()
+    return text.count(" fusion(")
+
+
+def test_each_level_adds_at_most_its_addition_to_the_cpu_program():
+    """Before nests selected once, each level also added a selection into the enclosing
+    carry and the reset of its sum: three kernels per leaf, not one."""
+    one = _fusions(CA(adam(0.1), 2))
+    two = _fusions(CA(CA(adam(0.1), 2), 2))
+    three = _fusions(CA(CA(CA(adam(0.1), 2), 2), 2))
+    dropped = _fusions(DS(CA(adam(0.1), 2), 1))
+    slack = 12  # a level's scalar counters (its count, steps, drops, flags)
+    assert two - one <= LEAVES + slack, (one, two)
+    assert three - two <= LEAVES + slack, (two, three)
+    assert dropped - one <= slack, (one, dropped)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_accelerators_branch_at_every_level(platform):
+    tx = DS(CA(CA(adam(0.1), 2), 2), 1)
+    params = _params()
+    step = functools.partial(_canonical, tx)
+    lowered = jax.jit(step).trace(params, tx.init(params), params, {})
+    text = lowered.lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.while" not in text and "optimization_barrier" not in text
+    assert text.count('"stablehlo.case"') >= 3
