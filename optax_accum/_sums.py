@@ -96,9 +96,10 @@ def add_where(
     a `weight` nothing is multiplied; a zero weight adds nothing (not even a NaN).
     """
     if weight is None:
-        return select(accepted, accumulator + gradient.astype(accumulator.dtype), accumulator)
-    added = weighted(gradient, weight, accumulator.dtype)
-    return select(accepted & (weight > 0), accumulator + added, accumulator)
+        added = lax.add(accumulator, gradient.astype(accumulator.dtype))
+        return select(accepted, added, accumulator)
+    added = lax.add(accumulator, weighted(gradient, weight, accumulator.dtype))
+    return select(accepted & (weight > 0), added, accumulator)
 
 
 def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:

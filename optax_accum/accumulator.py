@@ -237,7 +237,9 @@ def conditional_accumulator(
         def release(inner_state, accumulator):
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
             if mean:
-                total = jax.tree.map(lambda t: t / _sums.mean_divisor(weight_sum, t.dtype), total)
+                total = jax.tree.map(
+                    lambda t: lax.div(t, _sums.mean_divisor(weight_sum, t.dtype)), total
+                )
             aggregate = optax.tree.cast_like(total, updates)
             return inner.update(aggregate, inner_state, params, **extra_args)
 
