@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import CASE_IDS, CASES, REPLICAS, Case, trajectory
+from _cases import CASE_IDS, CASES, REPLICAS, Case, spent_as_zeros, trajectory
 from flax import nnx
 
 import optax_accum
@@ -27,6 +27,7 @@ AXIS = "replicas"
 
 
 def _assert_trees_close(actual: Any, expected: Any, *, same_structure: bool = True) -> None:
+    actual, expected = spent_as_zeros(actual), spent_as_zeros(expected)
     if same_structure:
         assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
