@@ -12,14 +12,13 @@ from optax_accum.accumulator import ConditionalAccumulatorState, conditional_acc
 from optax_accum.agn import AGNState, agn
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
-from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify
+from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify, sparse_sgd
 from optax_accum.sharding import replica_group_mesh, state_partition_specs, state_shardings
 from optax_accum.sparse import (
     DenseRows,
     RowBuffer,
     SparseConditionalAccumulatorState,
     sparse_conditional_accumulator,
-    sparse_sgd,
 )
 from optax_accum.staleness import (
     DropStaleGradientsState,

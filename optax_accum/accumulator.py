@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _sums
+from optax_accum import _branch, _checks, _counters, _extra_args, _gate, _sums
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -196,6 +196,7 @@ def conditional_accumulator(
         weight: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
+        verdict = _gate.take()  # a wrapper's acceptance (drop_stale_gradients), if any
         _checks.require_state(state, ConditionalAccumulatorState)
         _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
@@ -207,6 +208,9 @@ def conditional_accumulator(
         kept = weight_ok if rule is None else weight_ok & ~rule
         accepted = fresh & finite & kept
         flags = [accepted, ~fresh, fresh & ~finite, fresh & finite & ~kept]
+        if verdict is not None:  # a gradient the wrapper dropped counts nowhere here
+            flags = [f & verdict for f in flags]
+            accepted = flags[0]
         arrived = jnp.stack(flags).astype(jnp.int32)
         # Without a weight, each accepted gradient weighs 1. With one, the weight joins
         # the counts in one float32 all-reduce (the counts, at most one per replica, are
@@ -224,6 +228,8 @@ def conditional_accumulator(
         count = _counters.saturating_add(state.count, arrived[0])
         weight_sum = state.weight_sum + added
         emit = count >= required(state.global_step)
+        if verdict is not None:
+            emit = emit & verdict
 
         accumulator = jax.tree.map(
             lambda a, g: _sums.add_where(accepted, _sums.restarted(state.emitted, a), g, w),
@@ -253,13 +259,13 @@ def conditional_accumulator(
             num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
             num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
             num_skipped=_counters.saturating_add(state.num_skipped, arrived[3]),
-            emitted=emit,
+            emitted=emit if verdict is None else _sums.select(verdict, emit, state.emitted),
             accumulator=accumulator,
             inner_state=inner_state,
         )
         return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, _gate.marked(update_fn))
 
 
 __all__ = ["ConditionalAccumulatorState", "conditional_accumulator"]

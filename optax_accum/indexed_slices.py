@@ -1,4 +1,4 @@
-"""Row-sparse gradients: `IndexedSlices`, `apply_updates` and `densify`.
+"""Row-sparse gradients: `IndexedSlices`, `apply_updates`, `densify` and `sparse_sgd`.
 
 An embedding table's gradient touches a few rows of a large table. `IndexedSlices`
 holds just those rows: `values[i]` is the gradient of row `indices[i]` of a tensor of
@@ -354,4 +354,60 @@ def densify() -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(optax.stateless(densify_tree))
 
 
-__all__ = ["IndexedSlices", "apply_updates", "densify"]
+def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
+    """SGD that scales only the values of `IndexedSlices` (and dense leaves as usual).
+
+    `optax.sgd` must not see raw `IndexedSlices`: it would scale the row ids too. This
+    is `optax.sgd(learning_rate)` (without momentum) for trees that mix `IndexedSlices`
+    and arrays: each update is `-learning_rate * gradient`, and sparse updates stay
+    sparse, so `sparse_conditional_accumulator(sparse_sgd(lr), ...)` followed by
+    `optax_accum.apply_updates` writes only the rows some gradient touched.
+
+    TF counterpart: `tf.train.GradientDescentOptimizer` applied to `tf.IndexedSlices`
+    gradients, which updates only their rows.
+
+    Args:
+      learning_rate: a scalar (may be traced, for `optax.inject_hyperparams`) or an
+        `optax.Schedule` of the update count.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`, with the state of
+      `optax.scale_by_learning_rate`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> g = optax_accum.IndexedSlices(jnp.array([3]), jnp.array([[2.0]]), (5, 1))
+      >>> tx = optax_accum.sparse_sgd(0.5)
+      >>> u, _ = tx.update(g, tx.init(jnp.zeros((5, 1))))
+      >>> u.indices.tolist(), u.values.tolist()
+      ([3], [[-1.0]])
+    """
+    scale = optax.scale_by_learning_rate(learning_rate)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        del params, extra_args
+        values = jax.tree.map(
+            lambda u: u.values if isinstance(u, IndexedSlices) else u,
+            updates,
+            is_leaf=_is_indexed_slices,
+        )
+        scaled, state = scale.update(values, state)
+        rebuilt = jax.tree.map(
+            lambda u, s: (
+                IndexedSlices(u.indices, s, u.dense_shape) if isinstance(u, IndexedSlices) else s
+            ),
+            updates,
+            scaled,
+            is_leaf=_is_indexed_slices,
+        )
+        return rebuilt, state
+
+    return optax.GradientTransformationExtraArgs(scale.init, update_fn)
+
+
+__all__ = ["IndexedSlices", "apply_updates", "densify", "sparse_sgd"]

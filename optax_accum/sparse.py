@@ -24,6 +24,7 @@ from optax_accum import (
     _counters,
     _dense_rows,
     _extra_args,
+    _gate,
     _row_buffer,
     _row_ids,
     _sums,
@@ -405,6 +406,7 @@ def sparse_conditional_accumulator(
         weight: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
+        verdict = _gate.take()  # a wrapper's acceptance (drop_stale_gradients), if any
         _checks.require_state(state, SparseConditionalAccumulatorState)
         _extra_args.warn_misspelled(extra_args)
         _check_updates(updates, state.accumulator)
@@ -417,6 +419,8 @@ def sparse_conditional_accumulator(
         rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
         kept = weight_ok if rule is None else weight_ok & ~rule
         offered = fresh & finite & kept
+        if verdict is not None:  # a gradient the wrapper dropped counts nowhere here
+            offered = offered & verdict
         accs, accepted, overflow, out_of_range = _accumulate(
             grads, accs, offered, w, axis_name, state.emitted
         )
@@ -424,6 +428,8 @@ def sparse_conditional_accumulator(
             jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
         )
         flags = [accepted, ~fresh, fresh & ~finite, overflow, fresh & finite & ~kept]
+        if verdict is not None:
+            flags = [f & verdict for f in flags]
         arrived = jnp.stack(
             [f.astype(jnp.int32) for f in flags] + [jnp.where(accepted, out_of_range, 0)]
         )
@@ -431,6 +437,8 @@ def sparse_conditional_accumulator(
             arrived = lax.psum(arrived, axis_name)
         count = _counters.saturating_add(state.count, arrived[0])
         emit = count >= required(state.global_step)
+        if verdict is not None:
+            emit = emit & verdict
 
         # The release reads the accumulator and never returns it; a held step passes
         # the inner state on untouched (see _branch).
@@ -441,9 +449,12 @@ def sparse_conditional_accumulator(
         new_updates, inner_state = _branch.update_if(
             emit, release, state.inner_state, salt=count, params=params, held=_as_padding
         )
-        return new_updates, _next_state(state, emit, count, arrived, accumulator, inner_state)
+        new_state = _next_state(state, emit, count, arrived, accumulator, inner_state)
+        if verdict is not None:  # a dropped update leaves `emitted` as it was
+            new_state = new_state._replace(emitted=_sums.select(verdict, emit, state.emitted))
+        return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, _gate.marked(update_fn))
 
 
 # --------------------------------------------------------------------------- update steps
@@ -536,66 +547,9 @@ def _as_padding(tree: Any) -> Any:
     return jax.tree.map(pad, tree, is_leaf=_is_slices)
 
 
-def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
-    """SGD that scales only the values of `IndexedSlices` (and dense leaves as usual).
-
-    `optax.sgd` must not see raw `IndexedSlices`: it would scale the row ids too. This
-    is `optax.sgd(learning_rate)` (without momentum) for trees that mix `IndexedSlices`
-    and arrays: each update is `-learning_rate * gradient`, and sparse updates stay
-    sparse, so `sparse_conditional_accumulator(sparse_sgd(lr), ...)` followed by
-    `optax_accum.apply_updates` writes only the rows some gradient touched.
-
-    TF counterpart: `tf.train.GradientDescentOptimizer` applied to `tf.IndexedSlices`
-    gradients, which updates only their rows.
-
-    Args:
-      learning_rate: a scalar (may be traced, for `optax.inject_hyperparams`) or an
-        `optax.Schedule` of the update count.
-
-    Returns:
-      An `optax.GradientTransformationExtraArgs`, with the state of
-      `optax.scale_by_learning_rate`.
-
-    Example:
-      >>> import jax.numpy as jnp, optax_accum
-      >>> g = optax_accum.IndexedSlices(jnp.array([3]), jnp.array([[2.0]]), (5, 1))
-      >>> tx = optax_accum.sparse_sgd(0.5)
-      >>> u, _ = tx.update(g, tx.init(jnp.zeros((5, 1))))
-      >>> u.indices.tolist(), u.values.tolist()
-      ([3], [[-1.0]])
-    """
-    scale = optax.scale_by_learning_rate(learning_rate)
-
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.OptState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.OptState]:
-        del params, extra_args
-        values = jax.tree.map(
-            lambda u: u.values if isinstance(u, IndexedSlices) else u,
-            updates,
-            is_leaf=_is_slices,
-        )
-        scaled, state = scale.update(values, state)
-        rebuilt = jax.tree.map(
-            lambda u, s: (
-                IndexedSlices(u.indices, s, u.dense_shape) if isinstance(u, IndexedSlices) else s
-            ),
-            updates,
-            scaled,
-            is_leaf=_is_slices,
-        )
-        return rebuilt, state
-
-    return optax.GradientTransformationExtraArgs(scale.init, update_fn)
-
-
 __all__ = [
     "DenseRows",
     "RowBuffer",
     "SparseConditionalAccumulatorState",
     "sparse_conditional_accumulator",
-    "sparse_sgd",
 ]

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _state_tree
+from optax_accum import _branch, _checks, _counters, _extra_args, _gate, _state_tree
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -155,6 +155,8 @@ def drop_stale_gradients(
       >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
       0.333
     """
+    # An optax_accum accumulator takes the verdict itself; anything else runs in a branch.
+    gated = _gate.takes_verdict(inner)
     inner = _extra_args.forward_to("inner", inner)
     staleness = _check_staleness(staleness)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
@@ -185,14 +187,20 @@ def drop_stale_gradients(
             _checks.require_bound_axis(axis_name)
             accept = lax.pmin(accept.astype(jnp.int32), axis_name) > 0
 
-        # A dropped update passes the inner state on untouched (see _branch).
-        new_updates, inner_state = _branch.update_if(
-            accept,
-            lambda inner_state: inner.update(updates, inner_state, params, **extra_args),
-            state.inner_state,
-            salt=state.global_step,
-            params=params,
-        )
+        # A dropped update leaves the inner state as it was (see _branch and _gate).
+        if gated:
+            with _gate.passing(accept):
+                new_updates, inner_state = inner.update(
+                    updates, state.inner_state, params, **extra_args
+                )
+        else:
+            new_updates, inner_state = _branch.update_if(
+                accept,
+                lambda inner_state: inner.update(updates, inner_state, params, **extra_args),
+                state.inner_state,
+                salt=state.global_step,
+                params=params,
+            )
         new_state = DropStaleGradientsState(
             global_step=_counters.increment_if(accept, state.global_step),
             num_dropped=_counters.increment_if(~accept, state.num_dropped),
