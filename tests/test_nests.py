@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import adam, lenient
+from _cases import adam, lenient, spent_as_zeros
 
 import optax_accum
 from optax_accum import _compat
@@ -175,3 +175,113 @@ def test_accelerators_branch_at_every_level(platform):
     text = lowered.lower(lowering_platforms=(platform,)).as_text()
     assert "stablehlo.while" not in text and "optimization_barrier" not in text
     assert text.count('"stablehlo.case"') >= 3
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def _mostly_one(step):
+    """Gradients per release: 1, 1, 2, 1, 1, 2, ..."""
+    return jnp.where(step % 3 == 2, 2, 1)
+
+
+def _sparse_accumulator(inner):
+    # Leaf "w0" is kept as a row buffer, the others dense.
+    return optax_accum.sparse_conditional_accumulator(
+        inner, _mostly_one, capacity=16, sparse=lambda p: {k: k == "w0" for k in p}
+    )
+
+
+INNERS = {
+    # Mostly 1 per release, so the accumulator's step stays close to drop_stale's and
+    # tags that drop_stale accepts can still be stale to the accumulator.
+    "conditional_accumulator": lambda: CA(adam(0.05), _mostly_one),
+    "sparse_conditional_accumulator": lambda: _sparse_accumulator(optax_accum.sparse_sgd(0.5)),
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(STEPS))
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, pattern):
+    """drop_stale_gradients calls an accumulator directly with its verdict; a chain
+    around the accumulator hides it, and drop_stale_gradients branches as before. Both
+    give the same updates and states, step for step, drops and releases mixed."""
+    lags = [0, 0, 2, 1, 0, 3, 0, 0, 1, 2, 0, 0, 0]
+    step = STEPS[pattern]
+    if inner.startswith("sparse"):  # the sparse accumulator needs optax_accum's apply
+        step = (
+            functools.partial(_fused)
+            if pattern == "apply_gradients"
+            else lambda tx, p, s, g, e: _sparse_canonical(tx, p, s, g, e)
+        )
+    results = []
+    for wrap in (lambda tx: tx, lambda tx: optax.chain(tx)):
+        tx = DS(wrap(INNERS[inner]()), 2)
+        params = _params()
+        state = tx.init(params)
+        run = jax.jit(functools.partial(step, tx))
+        trace = []
+        for i, lag in enumerate(lags):
+            tag = optax_accum.global_step(state) - lag
+            grads = _grads(i, params)
+            if inner.startswith("sparse"):  # rows i % 3 and 2 of w0, row 2 twice
+                rows = jnp.array([i % 3, 2, 2])
+                grads["w0"] = optax_accum.IndexedSlices(rows, grads["w0"][rows], grads["w0"].shape)
+            params, state = run(params, state, grads, {"local_step": tag})
+            inner_state = state.inner_state
+            if not isinstance(inner_state, type(INNERS[inner]().init(_params()))):
+                inner_state = inner_state[0]  # inside the chain
+            trace.append((params, state._replace(inner_state=inner_state)))
+        results.append(trace)
+    gated, branched = results
+    assert optax_accum._gate.takes_verdict(INNERS[inner]())
+    assert not optax_accum._gate.takes_verdict(optax.chain(INNERS[inner]()))
+    for i, ((p1, s1), (p2, s2)) in enumerate(zip(gated, branched, strict=True)):
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+            _assert_close(a, b, f"step {i}")
+        left, right = jax.tree.leaves(spent_as_zeros(s1)), jax.tree.leaves(spent_as_zeros(s2))
+        if inner.startswith("sparse"):  # a spent dense leaf reads as zeros, as in the state
+            left = jax.tree.leaves(_spent_rows_as_zeros(s1))
+            right = jax.tree.leaves(_spent_rows_as_zeros(s2))
+        for a, b in zip(left, right, strict=True):
+            _assert_close(a, b, f"step {i}")
+    final = gated[-1][1]
+    assert int(final.num_dropped) == sum(lag > 2 for lag in lags)
+    # drop_stale consumes the tag, so the accumulator sees every gradient it passes.
+    assert int(final.inner_state.num_dropped) == 0
+    assert int(final.inner_state.global_step) >= 3  # and released several times
+
+
+def _assert_close(a, b, message: str) -> None:
+    """Integers exactly; floats to a few ulps (the two programs fuse differently)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, message
+    if np.issubdtype(a.dtype, np.floating):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8, err_msg=message)
+    else:
+        np.testing.assert_array_equal(a, b, err_msg=message)
+
+
+def _sparse_canonical(tx, params, state, grads, extra):
+    updates, state = tx.update(grads, state, params, **extra)
+    return optax_accum.apply_updates(params, updates), state
+
+
+def _spent_rows_as_zeros(state):
+    """The drop_stale state with its sparse accumulator's dense leaves read as zeros
+    after a release (row buffers are kept apart by `size`)."""
+    acc = state.inner_state
+
+    def read(leaf):
+        if isinstance(leaf, optax_accum.DenseRows):
+            return jax.tree.map(lambda x: np.where(acc.emitted, 0, x), leaf)
+        return leaf._replace(
+            values=np.where(np.arange(leaf.values.shape[0])[:, None] < leaf.size, leaf.values, 0)
+        )
+
+    accumulator = jax.tree.map(
+        read,
+        acc.accumulator,
+        is_leaf=lambda x: isinstance(x, optax_accum.DenseRows | optax_accum.RowBuffer),
+    )
+    return state._replace(inner_state=acc._replace(accumulator=accumulator))
