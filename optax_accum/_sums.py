@@ -56,14 +56,15 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     one shape and dtype, a single `select_n`. `jnp.where` is a jit call of its own,
     which a step over hundreds of leaves pays hundreds of times when it is traced and
     lowered."""
-    same = (
-        jnp.ndim(pred) == 0
-        and jnp.result_type(pred) == jnp.bool_
-        and isinstance(on_true, jax.Array)
-        and isinstance(on_false, jax.Array)
-        and on_true.shape == on_false.shape
-        and on_true.dtype == on_false.dtype
-    )
+    try:
+        same = (
+            pred.shape == ()
+            and pred.dtype == jnp.bool_
+            and on_true.shape == on_false.shape
+            and on_true.dtype == on_false.dtype
+        )
+    except AttributeError:  # a Python scalar
+        same = False
     if same:
         return lax.select_n(pred, on_false, on_true)
     return jnp.where(pred, on_true, on_false)
