@@ -240,18 +240,12 @@ def conditional_accumulator(
         # A held step is the addition above, in place, and passes the inner state and
         # the sum on untouched; the release feeds the sum to `inner`, and the next step
         # restarts the sum (see _branch).
-        # The mean multiplies by 1 / weight_sum, one reciprocal per dtype computed before
-        # the branch (XLA:CPU turns a division by a scalar into that multiply anyway;
-        # a division by a shared operand would cost it a kernel per leaf).
-        reciprocals = {}
-        if mean:
-            for d in {a.dtype for a in jax.tree.leaves(accumulator)}:
-                reciprocals[d] = lax.div(jnp.ones((), d), _sums.mean_divisor(weight_sum, d))
-
         def release(inner_state, accumulator):
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
-            if mean:
-                total = jax.tree.map(lambda t: lax.mul(t, reciprocals[t.dtype]), total)
+            if mean:  # per leaf: a divisor shared by the leaves costs XLA:CPU a kernel each
+                total = jax.tree.map(
+                    lambda t: lax.div(t, _sums.mean_divisor(weight_sum, t.dtype)), total
+                )
             aggregate = optax.tree.cast_like(total, updates)
             return inner.update(aggregate, inner_state, params, **extra_args)
 
