@@ -119,6 +119,24 @@ def mean_divisor(weights: jax.Array, dtype: Any) -> jax.Array:
     return select(weights > 0, weights, jnp.ones_like(weights)).astype(dtype)
 
 
+def mean_divider(weights: jax.Array, leaves: list) -> Callable[[jax.Array], jax.Array]:
+    """`t -> t / mean_divisor(weights, t.dtype)` for the leaves of one release, with what
+    the leaves share computed once.
+
+    Each leaf still selects its own divisor: XLA:CPU rewrites a division by a value
+    with one user into a multiply by its reciprocal, which it fuses into every
+    consumer, while a division by one shared value stays a kernel per leaf.
+    """
+    positive = weights > 0
+    cast = {d: (weights.astype(d), jnp.ones((), d)) for d in {t.dtype for t in leaves}}
+
+    def divide(t: jax.Array) -> jax.Array:
+        w, one = cast[t.dtype]
+        return lax.div(t, lax.select_n(positive, one, w))
+
+    return divide
+
+
 def weight_or_none(weight: Any) -> tuple[jax.Array | None, jax.Array]:
     """Validates the `weight` extra argument: `(weight as a float32 scalar, ok)`.
 

@@ -242,10 +242,9 @@ def conditional_accumulator(
         # restarts the sum (see _branch).
         def release(inner_state, accumulator):
             total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
-            if mean:  # per leaf: a divisor shared by the leaves costs XLA:CPU a kernel each
-                total = jax.tree.map(
-                    lambda t: lax.div(t, _sums.mean_divisor(weight_sum, t.dtype)), total
-                )
+            if mean:
+                divide = _sums.mean_divider(weight_sum, jax.tree.leaves(total))
+                total = jax.tree.map(divide, total)
             aggregate = optax.tree.cast_like(total, updates)
             return inner.update(aggregate, inner_state, params, **extra_args)
 
