@@ -50,6 +50,11 @@ from flax.training import train_state
 
 import optax_accum
 
+try:  # part of the package: python -m benchmarks, the tests
+    from benchmarks._steps import accumulating_adam, canonical, fused, paired, rotations
+except ModuleNotFoundError:  # run as a file: python benchmarks/X.py (see _steps)
+    from _steps import accumulating_adam, canonical, fused, paired, rotations
+
 LEAVES = 8
 SIZES = {"8M": (1024, 1024), "268M": (4096, 8192), "64K": (128, 64)}  # a leaf; 8 leaves
 EVERY = 8  # gradients per release
@@ -110,15 +115,6 @@ class Contender:
 # --------------------------------------------------------------------------- the steps
 
 
-def canonical(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple:
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def fused(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple:
-    return optax_accum.apply_gradients(tx, grads, opt_state, params)
-
-
 class Leaves(nnx.Module):
     """An NNX model whose parameters are the given leaves."""
 
@@ -129,11 +125,7 @@ class Leaves(nnx.Module):
 
 def contender(pattern: str, ours: bool, every: int, params: dict, grads: dict) -> Contender:
     """The step of `pattern`, with optax_accum (`ours`) or with optax.MultiSteps."""
-    adam = optax.adam(1e-3)
-    if ours:
-        tx = optax_accum.conditional_accumulator(adam, num_required=every)
-    else:
-        tx = optax.MultiSteps(adam, every_k_schedule=every)
+    tx = accumulating_adam(ours, every)
     params = jax.tree.map(jnp.copy, params)
     if pattern in ("canonical", "apply_gradients"):
         step = fused if pattern == "apply_gradients" and ours else canonical
@@ -176,17 +168,11 @@ def interleaved(contenders: dict[str, Contender], rounds: int) -> dict[str, list
     rotates from round to round."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
-    for r in range(rounds + 1):
-        for k in names[r % len(names) :] + names[: r % len(names)]:
-            t = contenders[k].sample()
-            if r:
-                samples[k].append(t)
+    for r, k in rotations(names, rounds):
+        t = contenders[k].sample()
+        if r:
+            samples[k].append(t)
     return samples
-
-
-def paired(samples: dict[str, list[float]], num: str, den: str) -> float:
-    """Median over rounds of `num / den`, both timed in the same round."""
-    return statistics.median(a / b for a, b in zip(samples[num], samples[den], strict=True))
 
 
 def bench_pattern(pattern: str, shape: tuple[int, int], rounds: int, dtype: Any = None) -> dict:

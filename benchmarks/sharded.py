@@ -65,6 +65,11 @@ import optax_accum
 from optax_accum import _compat
 from optax_accum.demo.hlo import count_collectives
 
+try:  # part of the package: python -m benchmarks, the tests
+    from benchmarks._steps import accumulating_adam, canonical, fused, paired, rotations
+except ModuleNotFoundError:  # run as a file: python benchmarks/X.py (see _steps)
+    from _steps import accumulating_adam, canonical, fused, paired, rotations
+
 LEAVES = 8
 SIZES = {"8M": (1024, 1024), "64K": (128, 64)}  # a leaf; 8 leaves
 EVERY = 8  # gradients per release
@@ -155,15 +160,6 @@ class Contender:
 # --------------------------------------------------------------------------- the steps
 
 
-def canonical(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple:
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def fused(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple:
-    return optax_accum.apply_gradients(tx, grads, opt_state, params)
-
-
 def init(tx: Any, params: Any, mode: str) -> Any:
     """The state as the guide says to make it: explicit sharding gives the params'
     layout from `init` itself; auto sharding needs `state_shardings`."""
@@ -173,11 +169,7 @@ def init(tx: Any, params: Any, mode: str) -> Any:
 
 
 def contender(pattern: str, ours: bool, every: int, params: dict, grads: dict, mode: str):
-    adam = optax.adam(1e-3)
-    if ours:
-        tx = optax_accum.conditional_accumulator(adam, num_required=every)
-    else:
-        tx = optax.MultiSteps(adam, every_k_schedule=every)
+    tx = accumulating_adam(ours, every)
     params = jax.tree.map(jnp.copy, params)
     step = fused if pattern == "apply_gradients" and ours else canonical
     return Contender(functools.partial(step, tx), (params, init(tx, params, mode)), grads)
@@ -197,18 +189,12 @@ def interleaved(contenders: dict[str, Contender], rounds: int) -> tuple[dict, di
     wall: dict[str, list[float]] = {k: [] for k in contenders}
     cpu: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
-    for r in range(rounds + 1):
-        for k in names[r % len(names) :] + names[: r % len(names)]:
-            t, c = contenders[k].sample()
-            if r:
-                wall[k].append(t)
-                cpu[k].append(c)
+    for r, k in rotations(names, rounds):
+        t, c = contenders[k].sample()
+        if r:
+            wall[k].append(t)
+            cpu[k].append(c)
     return wall, cpu
-
-
-def paired(samples: dict[str, list[float]], num: str, den: str) -> float:
-    """Median over rounds of `num / den`, both timed in the same round."""
-    return statistics.median(a / b for a, b in zip(samples[num], samples[den], strict=True))
 
 
 def bench_mode(mode: str, shape: tuple[int, int], rounds: int) -> dict[str, Any]:
