@@ -298,6 +298,7 @@ class _Spending:
     """
 
     traced: _Traced
+    selected = None  # its updates are carried, not selected by a branch inside it
 
     @property
     def consts(self) -> list:
@@ -345,13 +346,13 @@ def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
     )
 
 
-def _run_if(pred: jax.Array, traced: Any, operand: Any, held: Callable) -> tuple:
+def _run_if(pred: jax.Array, traced: _Traced | _Spending, operand: Any, held: Callable) -> tuple:
     """`traced(operand)` if `pred`, else `(held(...), operand)`, in the form the
     backend runs best (chosen when the program is lowered for it).
 
     When `traced.selected`, the body's updates are selected after the branch from the
     carry it returns: a held step carries a False predicate and no updates."""
-    selected = getattr(traced, "selected", None)
+    selected = traced.selected
     if selected is not None:
         held = lambda salted: jnp.zeros((), jnp.bool_)  # noqa: E731
     operand = _varying_as(operand, traced.in_shapes)
