@@ -13,6 +13,9 @@ the accumulator calls in turn.
 The transforms that take a verdict mark their `update` with `takes_verdict`; a wrapper
 asks `takes_verdict(inner)` before passing one (anything else wrapped around the
 accumulator, an `optax.chain` say, hides the mark, and the wrapper branches as before).
+
+`judged` is the accumulators' own gate, the verdict included: why a gradient is taken,
+or counted as stale, non-finite or skipped.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+
+from optax_accum import _sums
 
 _MARK = "_optax_accum_takes_verdict"
 
@@ -70,3 +75,41 @@ def take() -> jax.Array | None:
     verdict.taken = True
     _VERDICT.set(None)
     return verdict.accept
+
+
+class Judged(NamedTuple):
+    """What becomes of one offered gradient. With a wrapper's verdict that drops it,
+    every flag is False: the gradient counts nowhere."""
+
+    offered: jax.Array  # fresh, finite, kept by the rules and passed: to be summed
+    stale: jax.Array
+    nonfinite: jax.Array  # fresh, but holds a NaN or Inf (`skip_nonfinite`)
+    skipped: jax.Array  # fresh and finite, but skipped by a rule or a bad weight
+    verdict: jax.Array | None
+
+    def passed(self, flag: jax.Array) -> jax.Array:
+        """`flag`, and False where the wrapper's verdict dropped the gradient."""
+        return flag if self.verdict is None else flag & self.verdict
+
+    def emitted(self, emit: jax.Array, before: jax.Array) -> jax.Array:
+        """The state's `emitted` after this update: as it was when the verdict
+        dropped the gradient (the update did not happen, for the wrapper)."""
+        return emit if self.verdict is None else _sums.select(self.verdict, emit, before)
+
+
+def judged(
+    verdict: jax.Array | None,
+    *,
+    fresh: jax.Array,
+    finite: jax.Array,
+    weight_ok: jax.Array,
+    rule: jax.Array | None,
+) -> Judged:
+    """The accumulators' gate: a gradient is summed iff it is `fresh`, `finite`, has a
+    good weight, is not skipped by the `rule` (None: no rule) and is passed by the
+    `verdict` (from `take()`; None: no wrapper's verdict)."""
+    kept = weight_ok if rule is None else weight_ok & ~rule
+    judged = Judged(fresh & finite & kept, ~fresh, fresh & ~finite, fresh & finite & ~kept, None)
+    if verdict is None:
+        return judged
+    return Judged(*(flag & verdict for flag in judged[:-1]), verdict)

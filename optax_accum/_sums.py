@@ -103,6 +103,18 @@ def add_where(
     return select(accepted & (weight > 0), added, accumulator)
 
 
+def continued(
+    accumulator: jax.Array,
+    emitted: jax.Array,
+    accepted: jax.Array,
+    gradient: jax.Array,
+    weight: jax.Array | None = None,
+) -> jax.Array:
+    """A running sum after one step: restarted if the last step released it
+    (`emitted`), plus the (weighted) gradient if `accepted`, in one pass."""
+    return add_where(accepted, restarted(emitted, accumulator), gradient, weight)
+
+
 def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:
     """`weight * values` in `dtype`, multiplied in at least float32; `values` as they are
     (cast) without a weight. A zero weight gives zeros, even for a NaN."""

@@ -202,16 +202,16 @@ def conditional_accumulator(
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
         step = _counters.local_step_or(local_step, state.global_step)
         w, weight_ok = _sums.weight_or_none(weight)
-        fresh = step >= state.global_step
-        finite = _sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
-        rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
-        kept = weight_ok if rule is None else weight_ok & ~rule
-        accepted = fresh & finite & kept
-        flags = [accepted, ~fresh, fresh & ~finite, fresh & finite & ~kept]
-        if verdict is not None:  # a gradient the wrapper dropped counts nowhere here
-            flags = [f & verdict for f in flags]
-            accepted = flags[0]
-        arrived = jnp.stack(flags).astype(jnp.int32)
+        judged = _gate.judged(
+            verdict,
+            fresh=step >= state.global_step,
+            finite=_sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True),
+            weight_ok=weight_ok,
+            rule=_sums.skip_rule(skip_rule, updates, state.global_step, params),
+        )
+        accepted = judged.offered
+        arrived = jnp.stack([accepted, judged.stale, judged.nonfinite, judged.skipped])
+        arrived = arrived.astype(jnp.int32)
         # Without a weight, each accepted gradient weighs 1. With one, the weight joins
         # the counts in one float32 all-reduce (the counts, at most one per replica, are
         # exact in float32).
@@ -227,12 +227,9 @@ def conditional_accumulator(
             added = arrived[0].astype(_sums.WEIGHT_DTYPE)
         count = _counters.saturating_add(state.count, arrived[0])
         weight_sum = state.weight_sum + added
-        emit = count >= required(state.global_step)
-        if verdict is not None:
-            emit = emit & verdict
-
+        emit = judged.passed(count >= required(state.global_step))
         accumulator = jax.tree.map(
-            lambda a, g: _sums.add_where(accepted, _sums.restarted(state.emitted, a), g, w),
+            lambda a, g: _sums.continued(a, state.emitted, accepted, g, w),
             state.accumulator,
             updates,
         )
@@ -258,7 +255,7 @@ def conditional_accumulator(
             num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
             num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
             num_skipped=_counters.saturating_add(state.num_skipped, arrived[3]),
-            emitted=emit if verdict is None else _sums.select(verdict, emit, state.emitted),
+            emitted=judged.emitted(emit, state.emitted),
             accumulator=accumulator,
             inner_state=inner_state,
         )

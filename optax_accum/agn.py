@@ -275,7 +275,7 @@ def agn(
         if not delta:
             # The sum restarts after a sync (see `_sums.restarted`).
             accumulator = jax.tree.map(
-                lambda a, g: _sums.add_where(kept, _sums.restarted(state.emitted, a), g),
+                lambda a, g: _sums.continued(a, state.emitted, kept, g),
                 accumulator,
                 updates,
             )

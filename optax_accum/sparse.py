@@ -412,33 +412,30 @@ def sparse_conditional_accumulator(
         _check_updates(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
         w, weight_ok = _sums.weight_or_none(weight)
-        fresh = step >= state.global_step
         grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
-        finite = _all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True)
-        rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
-        kept = weight_ok if rule is None else weight_ok & ~rule
-        offered = fresh & finite & kept
-        if verdict is not None:  # a gradient the wrapper dropped counts nowhere here
-            offered = offered & verdict
+        judged = _gate.judged(
+            verdict,
+            fresh=step >= state.global_step,
+            finite=_all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True),
+            weight_ok=weight_ok,
+            rule=_sums.skip_rule(skip_rule, updates, state.global_step, params),
+        )
+        # Taken whole or not at all: `accepted` is `offered` unless its rows overflowed.
         accs, accepted, overflow, out_of_range = _accumulate(
-            grads, accs, offered, w, axis_name, state.emitted
+            grads, accs, judged.offered, w, axis_name, state.emitted
         )
         accumulator = jax.tree.unflatten(
             jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
         )
-        flags = [accepted, ~fresh, fresh & ~finite, overflow, fresh & finite & ~kept]
-        if verdict is not None:
-            flags = [f & verdict for f in flags]
+        flags = [accepted, judged.stale, judged.nonfinite, judged.passed(overflow), judged.skipped]
         arrived = jnp.stack(
             [f.astype(jnp.int32) for f in flags] + [jnp.where(accepted, out_of_range, 0)]
         )
         if axis_name is not None:
             arrived = lax.psum(arrived, axis_name)
         count = _counters.saturating_add(state.count, arrived[0])
-        emit = count >= required(state.global_step)
-        if verdict is not None:
-            emit = emit & verdict
+        emit = judged.passed(count >= required(state.global_step))
 
         # The release reads the accumulator and never returns it; a held step passes
         # the inner state on untouched (see _branch).
@@ -450,8 +447,7 @@ def sparse_conditional_accumulator(
             emit, release, state.inner_state, salt=count, params=params, held=_as_padding
         )
         new_state = _next_state(state, emit, count, arrived, accumulator, inner_state)
-        if verdict is not None:  # a dropped update leaves `emitted` as it was
-            new_state = new_state._replace(emitted=_sums.select(verdict, emit, state.emitted))
+        new_state = new_state._replace(emitted=judged.emitted(emit, state.emitted))
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, _gate.marked(update_fn))
