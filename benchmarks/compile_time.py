@@ -21,16 +21,21 @@ Target: every transform, nested up to three levels, within 1.2x of MultiSteps.
 
 Run from the repository root: `python -m benchmarks.compile_time` (`--rounds 1` for a
 quick look, `--leaves 24` for a tiny model). Prints a table and writes
-`benchmarks/results/compile_time.json`.
+`benchmarks/results/compile_time.json`. With `--passes`, it then also says where XLA's
+compile time goes: each transform's step is compiled once more under `jax.profiler`,
+and the passes that took longer than MultiSteps' are listed (seconds, from the trace).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -188,6 +193,45 @@ def measure(name: str, params: Any) -> dict[str, Any]:
     }
 
 
+def pass_seconds(name: str, params: Any) -> dict[str, float]:
+    """Seconds of every span in a `jax.profiler` trace of compiling the step of `name`
+    (XLA's passes, its code generation, and their enclosing spans), summed by name."""
+    step, state = _step(name, [0], params)
+    lowered = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, params).lower()
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            lowered.compile()
+        finally:
+            jax.profiler.stop_trace()
+        traces = list(Path(folder).rglob("*.trace.json.gz"))
+        if not traces:
+            raise RuntimeError(f"jax.profiler wrote no trace under {folder}")
+        events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    spans: collections.Counter[str] = collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and not event["name"].startswith("$"):  # not Python's
+            spans[event["name"]] += event["dur"] / 1e6
+    return dict(spans)
+
+
+def passes_table(leaves: int, names: Iterable[str], shown: int = 12) -> str:
+    """Per transform, the compile spans that took longest beyond MultiSteps' (one
+    compile each, after a warm-up compile of every step)."""
+    params = model(leaves)
+    names = [BASELINE, *(n for n in names if n != BASELINE)]
+    for name in names:  # JAX's and XLA's first uses, out of the figures
+        measure(name, params)
+    base = pass_seconds(BASELINE, params)
+    lines = [f"seconds in XLA's compile spans, MultiSteps(adam) -> transform ({leaves} leaves)"]
+    for name in names[1:]:
+        spans = pass_seconds(name, params)
+        extra = sorted(spans, key=lambda k: base.get(k, 0.0) - spans[k])[:shown]
+        lines.append(name)
+        lines += [f"  {base.get(k, 0.0):6.3f} -> {spans[k]:6.3f}  {k}" for k in extra]
+    return "\n".join(lines)
+
+
 def run(
     leaves: int = LEAVES,
     rounds: int = 2,
@@ -289,6 +333,9 @@ def main() -> None:
         "--only", action="append", help="only the transforms whose name has this (repeatable)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_time.json")
+    parser.add_argument(
+        "--passes", action="store_true", help="then list where XLA's compile time goes"
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -302,6 +349,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if args.passes:
+        print(passes_table(args.leaves, names))
 
 
 if __name__ == "__main__":

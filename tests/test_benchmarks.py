@@ -7,6 +7,7 @@ import datetime
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,24 @@ def test_dense_benchmark_refuses_zero_rounds():
         timeout=120,
     )
     assert run.returncode == 2 and "--rounds must be at least 1" in run.stderr
+
+
+def test_compile_time_lists_where_xla_spends_its_compile_time(tmp_path):
+    """`--passes`: the compile spans of a jax.profiler trace, MultiSteps' beside the
+    transform's (issue 22's evidence of where the compile time goes)."""
+    name = "drop_stale_gradients(adam)"
+    cmd = ["-m", "benchmarks.compile_time", "--rounds", "1", "--leaves", "4", "--passes"]
+    run = subprocess.run(
+        [sys.executable, *cmd, "--only", name, "--out", str(tmp_path / "ct.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    listing = run.stdout.split("seconds in XLA's compile spans")[1].splitlines()
+    assert listing[1] == name, listing
+    spans = listing[2:]
+    assert len(spans) == 12, listing
+    for line in spans:  # "  0.032 ->  0.038  ThunkEmitter::EmitEntryComputation"
+        assert re.fullmatch(r" +\d+\.\d{3} -> +\d+\.\d{3}  \S.*", line), line
