@@ -272,7 +272,7 @@ def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax):
     each line in turn. The take must get its result (from that gradient, or from a
     later one tagged with the same step) or time out at its deadline: never hang, never
     fail otherwise; and the counter must match the aggregate afterwards."""
-    deadline = 5.0
+    deadline = 2.0  # seconds (each take the interrupt orphans waits it out)
 
     def run(interrupt):
         acc = _make(kind)
