@@ -109,7 +109,7 @@ def judged(
     good weight, is not skipped by the `rule` (None: no rule) and is passed by the
     `verdict` (from `take()`; None: no wrapper's verdict)."""
     kept = weight_ok if rule is None else weight_ok & ~rule
-    judged = Judged(fresh & finite & kept, ~fresh, fresh & ~finite, fresh & finite & ~kept, None)
-    if verdict is None:
-        return judged
-    return Judged(*(flag & verdict for flag in judged[:-1]), verdict)
+    flags = (fresh & finite & kept, ~fresh, fresh & ~finite, fresh & finite & ~kept)
+    if verdict is not None:
+        flags = tuple(flag & verdict for flag in flags)
+    return Judged(*flags, verdict)
