@@ -446,9 +446,10 @@ def sparse_conditional_accumulator(
         new_updates, inner_state = _branch.update_if(
             emit, release, state.inner_state, salt=count, params=params, held=_as_padding
         )
-        new_state = _next_state(state, emit, count, arrived, accumulator, inner_state)
-        new_state = new_state._replace(emitted=judged.emitted(emit, state.emitted))
-        return new_updates, new_state
+        emitted = judged.emitted(emit, state.emitted)
+        return new_updates, _next_state(
+            state, emit, emitted, count, arrived, accumulator, inner_state
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, _gate.marked(update_fn))
 
@@ -499,6 +500,7 @@ def _aggregate(accumulator: Any, updates: Any, mean: bool, axis_name: Any) -> An
 def _next_state(
     state: SparseConditionalAccumulatorState,
     emit: jax.Array,
+    emitted: jax.Array,
     count: jax.Array,
     arrived: jax.Array,
     accumulator: Any,
@@ -507,7 +509,8 @@ def _next_state(
     """The state after an update: `arrived` holds the int32 counts of this step's
     accepted, stale, non-finite, overflowed and skipped gradients and of its
     out-of-range rows; on a release (`emit`), the accumulator is emptied and the step
-    advances."""
+    advances. `emitted` is the new state's flag (`emit`, unless a wrapper's verdict
+    dropped the gradient)."""
     return SparseConditionalAccumulatorState(
         global_step=_counters.increment_if(emit, state.global_step),
         count=jnp.where(emit, 0, count),
@@ -516,7 +519,7 @@ def _next_state(
         num_skipped=_counters.saturating_add(state.num_skipped, arrived[4]),
         num_overflowed=_counters.saturating_add(state.num_overflowed, arrived[3]),
         num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[5]),
-        emitted=emit,
+        emitted=emitted,
         accumulator=jax.tree.map(
             lambda a: _reset_if(emit, a), accumulator, is_leaf=_is_accumulator
         ),
