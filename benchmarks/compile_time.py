@@ -243,11 +243,10 @@ def pass_seconds(name: str, params: Any) -> dict[str, float]:
 
 def passes_table(leaves: int, names: Iterable[str], shown: int = 12) -> str:
     """Per transform, the compile spans that took longest beyond MultiSteps' (one
-    compile each, after a warm-up compile of every step)."""
+    compile each). Call it after `run`, whose warm-up round has taken JAX's and XLA's
+    first uses out of the figures (each step is jitted afresh, so it compiles again)."""
     params = model(leaves)
     names = [BASELINE, *(n for n in names if n != BASELINE)]
-    for name in names:  # JAX's and XLA's first uses, out of the figures
-        measure(name, params)
     base = pass_seconds(BASELINE, params)
     lines = [f"seconds in XLA's compile spans, MultiSteps(adam) -> transform ({leaves} leaves)"]
     for name in names[1:]:
