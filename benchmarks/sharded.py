@@ -62,7 +62,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _compat
 from optax_accum.demo.hlo import count_collectives
 
 try:  # part of the package: python -m benchmarks, the tests
@@ -202,7 +201,7 @@ def bench_mode(mode: str, shape: tuple[int, int], rounds: int) -> dict[str, Any]
     contenders' memory and HLO counts."""
     where = mesh(mode)
     shard = (shape[0] // MESH["fsdp"], shape[1])
-    with _compat.mesh_context(where):
+    with jax.set_mesh(where):
         params, grads = random_tree(shape, 0, where), random_tree(shape, 1, where, 1e-3)
         contenders = {"floor": floor(params, grads)}
         contenders["base_held"] = contender("canonical", False, NEVER, params, grads, mode)

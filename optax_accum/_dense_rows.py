@@ -2,13 +2,12 @@
 (dense, or the rows of an `IndexedSlices`) with a count and a weight sum per row
 (`add_all`), and releasing it with each row's mean (`release`).
 
-The functions take and return the `DenseRows` of `optax_accum.sparse` (new ones made
-with `_replace`).
+The functions take and return `DenseRows` (new ones made with `_replace`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +16,52 @@ from jax import lax
 from optax_accum import _branch, _compat, _row_buffer, _row_ids, _sums
 from optax_accum.indexed_slices import IndexedSlices
 
-if TYPE_CHECKING:
-    from optax_accum.sparse import DenseRows
+
+class DenseRows(NamedTuple):
+    """One dense leaf's running sum, and how many accepted gradients touched each row.
+
+    A dense gradient touches every row; an `IndexedSlices` gradient offered to a dense
+    leaf touches its distinct row ids. MEAN divides each row by the weight sum of the
+    gradients that touched it (their count, without weights), so a row's mean does not
+    depend on whether its leaf is kept sparse or dense.
+
+    TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
+    for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
+
+    A release spends all three: while the state's `emitted` is True they still hold
+    the last window's values, and the next `update` starts from zeros.
+
+    Attributes:
+      values: the sum of the accepted gradients, shaped like the param, in the
+        accumulator's dtype (float32 for float16 and bfloat16 params).
+      touches: int32 `[rows]` (a scalar for a scalar param), the count of each row.
+      weights: float32, shaped like `touches`: the sum of the `weight`s of the
+        gradients that touched each row (equal to `touches` without weights).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=3, capacity=8)
+      >>> state = tx.init(jnp.zeros((4, 1)))  # 4 rows, not more than capacity: dense
+      >>> _, state = tx.update(jnp.ones((4, 1)), state)
+      >>> g = optax_accum.IndexedSlices(jnp.array([1]), jnp.ones((1, 1)), (4, 1))
+      >>> _, state = tx.update(g, state)
+      >>> state.accumulator.touches.tolist(), state.accumulator.values[:, 0].tolist()
+      ([1, 2, 1, 1], [1.0, 2.0, 1.0, 1.0])
+    """
+
+    values: jax.Array
+    touches: jax.Array
+    weights: jax.Array
+
+
+def empty(param: Any) -> DenseRows:
+    """An empty running sum for the dense leaf `param`."""
+    return DenseRows(
+        values=_sums.zeros_accumulator(param),
+        touches=_sums.row_zeros(param, jnp.int32),
+        weights=_sums.row_zeros(param, _sums.WEIGHT_DTYPE),
+    )
 
 
 def add_all(

@@ -6,25 +6,74 @@ map. `offer` inserts a step's gradients (under an `axis_name`, every replica's, 
 replica order), each whole or not at all, looking their rows up without a sort;
 `release` gives the rows sorted and unique. Replicas that share the buffers first sum
 each gradient's duplicate ids in a fixed order (`combined`, which the dense leaves
-use too). The functions take and return the `RowBuffer`s of `optax_accum.sparse`
-(new ones made with `_replace`). `docs/design.md`, "The sparse accumulator", says why
-it is built this way.
+use too). The functions take and return `RowBuffer`s (new ones made with `_replace`).
+`docs/design.md`, "The sparse accumulator", says why it is built this way.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _checks, _collectives, _compat, _row_ids, _sums
+from optax_accum import _checks, _collectives, _compat, _counters, _row_ids, _sums
 from optax_accum.indexed_slices import IndexedSlices
 
-if TYPE_CHECKING:
-    from optax_accum.sparse import RowBuffer
+
+class RowBuffer(NamedTuple):
+    """One sparse leaf's running sum: up to `capacity` distinct rows, in arrival order.
+
+    Attributes:
+      rows: int32 `[capacity]`, the row id held in each slot.
+      values: `[capacity, *row_shape]`, the sum of the accepted gradients' rows.
+      touches: int32 `[capacity]`, how many accepted gradients touched each slot's row.
+      weights: float32 `[capacity]`, the sum of the `weight`s of those gradients (each
+        1 by default, so then it equals `touches`); MEAN divides each row by it.
+      size: int32, the number of slots in use (slots `0..size-1`). Slots at or beyond
+        `size` hold stale data from before the last release and are never read: a
+        release only resets `size`, so it costs nothing per table row.
+      slot_of: int32 `[table rows]`, the slot of each row; an entry counts only if it
+        points below `size` at a slot whose `rows` entry is that row.
+
+    Read a held row's running sum through the map (TF keeps no such buffer: its
+    accumulator stores the gradients' rows as they come).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_accum
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=2)
+      >>> state = tx.init(jnp.zeros((5, 1)))
+      >>> g = optax_accum.IndexedSlices(jnp.array([3, 3]), jnp.ones((2, 1)), (5, 1))
+      >>> _, state = tx.update(g, state)  # row 3, twice: summed, counted once
+      >>> buf = state.accumulator
+      >>> slot = int(buf.slot_of[3])
+      >>> int(buf.size), int(buf.rows[slot]), float(buf.values[slot, 0]), int(buf.touches[slot])
+      (1, 3, 2.0, 1)
+    """
+
+    rows: jax.Array
+    values: jax.Array
+    touches: jax.Array
+    weights: jax.Array
+    size: jax.Array
+    slot_of: jax.Array
+
+
+def empty(param: Any, capacity: int) -> RowBuffer:
+    """An empty buffer of `capacity` slots for the table `param`."""
+    shape = jnp.shape(param)
+    dtype = _sums.accumulator_dtype_for(jnp.result_type(param), None)
+    return RowBuffer(
+        rows=jnp.full((capacity,), shape[0], jnp.int32),
+        values=jnp.zeros((capacity, *shape[1:]), dtype),
+        touches=jnp.zeros((capacity,), jnp.int32),
+        weights=jnp.zeros((capacity,), _sums.WEIGHT_DTYPE),
+        size=_counters.int32(0),
+        slot_of=jnp.full((shape[0],), -1, jnp.int32),
+    )
 
 
 # --------------------------------------------------------------------------- which leaves

@@ -29,84 +29,9 @@ from optax_accum import (
     _row_ids,
     _sums,
 )
+from optax_accum._dense_rows import DenseRows
+from optax_accum._row_buffer import RowBuffer
 from optax_accum.indexed_slices import IndexedSlices
-
-
-class RowBuffer(NamedTuple):
-    """One sparse leaf's running sum: up to `capacity` distinct rows, in arrival order.
-
-    Attributes:
-      rows: int32 `[capacity]`, the row id held in each slot.
-      values: `[capacity, *row_shape]`, the sum of the accepted gradients' rows.
-      touches: int32 `[capacity]`, how many accepted gradients touched each slot's row.
-      weights: float32 `[capacity]`, the sum of the `weight`s of those gradients (each
-        1 by default, so then it equals `touches`); MEAN divides each row by it.
-      size: int32, the number of slots in use (slots `0..size-1`). Slots at or beyond
-        `size` hold stale data from before the last release and are never read: a
-        release only resets `size`, so it costs nothing per table row.
-      slot_of: int32 `[table rows]`, the slot of each row; an entry counts only if it
-        points below `size` at a slot whose `rows` entry is that row.
-
-    Read a held row's running sum through the map (TF keeps no such buffer: its
-    accumulator stores the gradients' rows as they come).
-
-    Example:
-      >>> import jax.numpy as jnp, optax_accum
-      >>> tx = optax_accum.sparse_conditional_accumulator(
-      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=2)
-      >>> state = tx.init(jnp.zeros((5, 1)))
-      >>> g = optax_accum.IndexedSlices(jnp.array([3, 3]), jnp.ones((2, 1)), (5, 1))
-      >>> _, state = tx.update(g, state)  # row 3, twice: summed, counted once
-      >>> buf = state.accumulator
-      >>> slot = int(buf.slot_of[3])
-      >>> int(buf.size), int(buf.rows[slot]), float(buf.values[slot, 0]), int(buf.touches[slot])
-      (1, 3, 2.0, 1)
-    """
-
-    rows: jax.Array
-    values: jax.Array
-    touches: jax.Array
-    weights: jax.Array
-    size: jax.Array
-    slot_of: jax.Array
-
-
-class DenseRows(NamedTuple):
-    """One dense leaf's running sum, and how many accepted gradients touched each row.
-
-    A dense gradient touches every row; an `IndexedSlices` gradient offered to a dense
-    leaf touches its distinct row ids. MEAN divides each row by the weight sum of the
-    gradients that touched it (their count, without weights), so a row's mean does not
-    depend on whether its leaf is kept sparse or dense.
-
-    TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
-    for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
-
-    A release spends all three: while the state's `emitted` is True they still hold
-    the last window's values, and the next `update` starts from zeros.
-
-    Attributes:
-      values: the sum of the accepted gradients, shaped like the param, in the
-        accumulator's dtype (float32 for float16 and bfloat16 params).
-      touches: int32 `[rows]` (a scalar for a scalar param), the count of each row.
-      weights: float32, shaped like `touches`: the sum of the `weight`s of the
-        gradients that touched each row (equal to `touches` without weights).
-
-    Example:
-      >>> import jax.numpy as jnp, optax_accum
-      >>> tx = optax_accum.sparse_conditional_accumulator(
-      ...     optax_accum.sparse_sgd(1.0), num_required=3, capacity=8)
-      >>> state = tx.init(jnp.zeros((4, 1)))  # 4 rows, not more than capacity: dense
-      >>> _, state = tx.update(jnp.ones((4, 1)), state)
-      >>> g = optax_accum.IndexedSlices(jnp.array([1]), jnp.ones((1, 1)), (4, 1))
-      >>> _, state = tx.update(g, state)
-      >>> state.accumulator.touches.tolist(), state.accumulator.values[:, 0].tolist()
-      ([1, 2, 1, 1], [1.0, 2.0, 1.0, 1.0])
-    """
-
-    values: jax.Array
-    touches: jax.Array
-    weights: jax.Array
 
 
 class SparseConditionalAccumulatorState(NamedTuple):
@@ -167,27 +92,6 @@ def _is_accumulator(x: Any) -> bool:
 
 def _num_rows(acc: RowBuffer | DenseRows) -> int:
     return acc.slot_of.shape[0] if _is_buffer(acc) else acc.values.shape[0]
-
-
-def _empty_dense_rows(param: Any) -> DenseRows:
-    return DenseRows(
-        values=_sums.zeros_accumulator(param),
-        touches=_sums.row_zeros(param, jnp.int32),
-        weights=_sums.row_zeros(param, _sums.WEIGHT_DTYPE),
-    )
-
-
-def _empty_buffer(param: Any, capacity: int) -> RowBuffer:
-    shape = jnp.shape(param)
-    dtype = _sums.accumulator_dtype_for(jnp.result_type(param), None)
-    return RowBuffer(
-        rows=jnp.full((capacity,), shape[0], jnp.int32),
-        values=jnp.zeros((capacity, *shape[1:]), dtype),
-        touches=jnp.zeros((capacity,), jnp.int32),
-        weights=jnp.zeros((capacity,), _sums.WEIGHT_DTYPE),
-        size=_counters.int32(0),
-        slot_of=jnp.full((shape[0],), -1, jnp.int32),
-    )
 
 
 # --------------------------------------------------------------------------- checks
@@ -390,7 +294,7 @@ def sparse_conditional_accumulator(
             num_out_of_range=_counters.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(
-                lambda p, m: _empty_buffer(p, capacity) if m else _empty_dense_rows(p),
+                lambda p, m: _row_buffer.empty(p, capacity) if m else _dense_rows.empty(p),
                 params,
                 mask,
             ),
