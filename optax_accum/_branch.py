@@ -330,9 +330,10 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
 
 def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
     """Whether `_Spending` may carry `updates` in `spent`'s buffers: leaf for
-    leaf the same shapes and varying mesh axes, a dtype that holds the updates exactly
-    (bfloat16 updates in a float32 sum), and a `pred` that varies over no axis they do
-    not."""
+    leaf the same shapes, varying mesh axes and reduced/unreduced axes (updates typed
+    reduced never travel in an unreduced sum's buffers), a dtype that holds the updates
+    exactly (bfloat16 updates in a float32 sum), and a `pred` that varies over no axis
+    they do not."""
     u, s = jax.tree.leaves(updates), jax.tree.leaves(spent)
     if len(u) != len(s) or not s:
         return False
@@ -341,9 +342,21 @@ def _can_spend(pred: jax.Array, updates: Any, spent: Any) -> bool:
         a.shape == b.shape
         and _holds_exactly(b.dtype, a.dtype)
         and _compat.varying_axes(a) == _compat.varying_axes(b)
+        and _compat.sum_types(a) == _compat.sum_types(b)
         and axes <= _compat.varying_axes(b)
         for a, b in zip(u, s, strict=True)
     )
+
+
+def _holds_unreduced(tree: Any) -> bool:
+    """Whether a leaf of `tree` is typed unreduced over a mesh axis (explicit sharding).
+
+    The partitioner gives a `lax.while_loop`'s carry no sharding of its own: it takes
+    the one the body reduces the carry to, and reduces the carry before the loop, on
+    every step. A `lax.cond` keeps the reduction in its branch, so such an operand
+    takes the `lax.cond` form on XLA:CPU too (docs/design.md).
+    """
+    return any(_compat.sum_types(x)[1] for x in jax.tree.leaves(tree))
 
 
 def _run_if(pred: jax.Array, traced: _Traced | _Spending, operand: Any, held: Callable) -> tuple:
@@ -356,11 +369,12 @@ def _run_if(pred: jax.Array, traced: _Traced | _Spending, operand: Any, held: Ca
     if selected is not None:
         held = lambda salted: jnp.zeros((), jnp.bool_)  # noqa: E731
     operand = _varying_as(operand, traced.in_shapes)
+    loop = _loop_form if not _holds_unreduced((operand, traced.consts)) else _cond_form
     first, operand = lax.platform_dependent(
         pred,
         operand,
         traced.consts,
-        cpu=lambda p, op, k: _loop_form(p, traced, op, k, held),
+        cpu=lambda p, op, k: loop(p, traced, op, k, held),
         default=lambda p, op, k: _cond_form(p, traced, op, k, held),
     )
     if selected is None:

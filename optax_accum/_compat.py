@@ -105,6 +105,60 @@ def explicit_sharding(aval: Any) -> Any:
     return None
 
 
+def sum_types(x: Any) -> tuple[frozenset, frozenset]:
+    """The mesh axes `x`'s type is reduced over and unreduced over: `(reduced, unreduced)`.
+
+    Under explicit sharding, jax >= 0.10 types an array `{R:axes}` (`P(...,
+    reduced=axes)`: a full copy on every device, whose gradients come back unreduced)
+    or `{U:axes}` (`P(..., unreduced=axes)`: each device holds a partial sum, the true
+    value is their sum). Both are empty under auto sharding, outside a mesh, and on a
+    jax whose `PartitionSpec` has no such sets. `x` is an array, a tracer, an abstract
+    value or a `jax.ShapeDtypeStruct`.
+    """
+    aval = x if isinstance(x, jax.ShapeDtypeStruct | jax.core.AbstractValue) else jax.typeof(x)
+    spec = getattr(explicit_sharding(aval), "spec", None)
+    return (
+        frozenset(getattr(spec, "reduced", None) or ()),
+        frozenset(getattr(spec, "unreduced", None) or ()),
+    )
+
+
+def retyped(
+    x: jax.Array, *, reduced: frozenset = frozenset(), unreduced: frozenset = frozenset()
+) -> Any:
+    """`x` typed reduced over `reduced` and unreduced over `unreduced` (explicit sharding).
+
+    The layout (`spec.partitions`) is kept. Casting to or from reduced moves no data
+    (a reduced array is a full copy on every device, as a plain one is); dropping
+    unreduced axes is the all-reduce that sums the devices' partial sums. `x` comes back
+    as it is when its type already says so, or when it has no explicit sharding and
+    nothing is asked. The concrete mesh of a placed array is used when it has one, so
+    this works eagerly outside `jax.set_mesh` too.
+
+    Raises:
+      ValueError: when reduced or unreduced axes are asked of a value that has no
+        explicit sharding (auto sharding, no mesh), or of a jax without these types.
+    """
+    reduced, unreduced = frozenset(reduced), frozenset(unreduced)
+    if sum_types(x) == (reduced, unreduced):
+        return x
+    sharding = explicit_sharding(jax.typeof(x))
+    if sharding is None or not hasattr(sharding.spec, "unreduced"):
+        raise ValueError(
+            f"optax_accum cannot type a value reduced over {sorted(reduced)} or unreduced "
+            f"over {sorted(unreduced)}: it has no explicit sharding (jax {jax.__version__}, "
+            f"type {jax.typeof(x)})"
+        )
+    mesh = sharding.mesh
+    concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if isinstance(concrete, jax.sharding.NamedSharding):
+        mesh = concrete.mesh
+    spec = jax.sharding.PartitionSpec(
+        *sharding.spec.partitions, reduced=reduced, unreduced=unreduced
+    )
+    return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def sharding_of(x: Any) -> Any:
     """`explicit_sharding` of an array's type: what to pass as `out_sharding=` to keep
     `x`'s layout under explicit sharding (None otherwise)."""
@@ -195,6 +249,8 @@ __all__ = [
     "mesh_context",
     "pcast_varying",
     "replicated_under_auto",
+    "retyped",
     "sharding_of",
+    "sum_types",
     "varying_axes",
 ]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _compat
+from optax_accum import _compat, _unreduced
 
 # The dtype of weight sums (`weight_sum`, the rows' `weights`): float32, whatever the
 # gradients' dtypes.
@@ -39,9 +39,10 @@ def accumulator_dtype_for(param_dtype: Any, accumulator_dtype: np.dtype | None) 
 
 def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> jax.Array:
     """Zeros like `param` (its shape, sharding and varying mesh axes), in the dtype its
-    accumulator keeps."""
+    accumulator keeps; typed unreduced over the mesh axes `param` is typed reduced over
+    (see `_unreduced`)."""
     dtype = accumulator_dtype_for(jnp.result_type(param), accumulator_dtype)
-    return jnp.zeros_like(param, dtype=dtype)
+    return _unreduced.sum_zeros(param, dtype)
 
 
 def row_zeros(param: Any, dtype: Any) -> jax.Array:
@@ -121,7 +122,7 @@ def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Arr
     if weight is None:
         return values.astype(dtype)
     compute = jnp.promote_types(dtype, jnp.float32)
-    product = values.astype(compute) * weight.astype(compute)
+    product = values.astype(compute) * _unreduced.scalar_for(weight.astype(compute), values)
     return zeros_unless(weight > 0, product).astype(dtype)
 
 

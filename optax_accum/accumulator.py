@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _gate, _sums
+from optax_accum import _branch, _checks, _counters, _extra_args, _gate, _sums, _unreduced
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -184,7 +184,7 @@ def conditional_accumulator(
             num_skipped=_counters.int32(0),
             emitted=jnp.asarray(False),
             accumulator=jax.tree.map(lambda p: _sums.zeros_accumulator(p, acc_dtype), params),
-            inner_state=inner.init(params),
+            inner_state=inner.init(_unreduced.plain(params)),
         )
 
     def update_fn(
@@ -200,6 +200,7 @@ def conditional_accumulator(
         _checks.require_state(state, ConditionalAccumulatorState)
         _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
+        _unreduced.check_sum_types(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
         w, weight_ok = _sums.weight_or_none(weight)
         judged = _gate.judged(
@@ -238,12 +239,20 @@ def conditional_accumulator(
         # the sum on untouched; the release feeds the sum to `inner`, and the next step
         # restarts the sum (see _branch).
         def release(inner_state, accumulator):
-            total = accumulator if axis_name is None else lax.psum(accumulator, axis_name)
+            # An unreduced sum (under jit) is reduced here, once a window; the inner
+            # optimizer runs on plain values, its updates typed as the params are.
+            total = jax.tree.map(_unreduced.reduced_sum, accumulator)
+            if axis_name is not None:
+                total = lax.psum(total, axis_name)
             if mean:
                 divide = _sums.mean_divider(weight_sum, jax.tree.leaves(total))
                 total = jax.tree.map(divide, total)
             aggregate = optax.tree.cast_like(total, updates)
-            return inner.update(aggregate, inner_state, params, **extra_args)
+            plain_params = _unreduced.plain(params)
+            new_updates, inner_state = inner.update(
+                aggregate, inner_state, plain_params, **extra_args
+            )
+            return _unreduced.like_params(new_updates, accumulator), inner_state
 
         new_updates, inner_state, accumulator = _branch.release_if(
             emit, release, state.inner_state, accumulator, salt=count, params=params

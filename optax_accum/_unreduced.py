@@ -1,0 +1,114 @@
+"""Unreduced running sums: one reduction per window under `jax.jit` on a mesh.
+
+Under explicit sharding (jax >= 0.10), a parameter typed reduced over mesh axes A
+(`jax.reshard(p, P(*spec, reduced=A))`: a full copy on every device, as a replicated
+one is) gets its gradient from `jax.grad` typed unreduced over A (`{U:A}`): each
+device holds the partial sum of its own batch shard and no all-reduce has run. An
+accumulator keeps that leaf's running sum unreduced over A too, so a held step adds
+locally and moves nothing; the release reduces the window's sum once (a reshard to the
+plain type, which is the all-reduce), inside its branch.
+
+The optimizer after the release sees plain values only: its state is made from the
+params typed plain (`plain`), and it is given the reduced sum and the params typed
+plain. Reduced values would break it (JAX has no reduced rule for `integer_pow`, which
+Adam's second moment uses; a reduced value plus a plain one is a type error). Its
+updates are then typed reduced over A again (`like_params`), which moves nothing, so
+that `apply_updates(params, updates)` keeps the params' type and a donated step's
+outputs match its inputs.
+
+Without explicit sharding, or on a jax without these types, no leaf is reduced and
+every function here returns its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_accum import _compat
+
+
+def unreduced_axes(x: Any) -> frozenset:
+    """The mesh axes over which `x` (an array or abstract value) holds partial sums."""
+    return _compat.sum_types(x)[1]
+
+
+def sum_zeros(param: Any, dtype: Any) -> jax.Array:
+    """Zeros like `param` in `dtype`, typed unreduced over the axes `param` is reduced
+    over: the running sum of the gradients `jax.grad` gives for it."""
+    zeros = jnp.zeros_like(param, dtype=dtype)
+    reduced, _ = _compat.sum_types(param)
+    if not reduced:
+        return zeros
+    return _compat.retyped(zeros, unreduced=reduced)
+
+
+def plain(tree: Any) -> Any:
+    """`tree` with every leaf's reduced axes dropped: the params as the inner optimizer
+    sees them (no data moves). None stays None."""
+
+    def drop(x: Any) -> Any:
+        reduced, unreduced = _compat.sum_types(x)
+        return _compat.retyped(x, unreduced=unreduced) if reduced else x
+
+    return None if tree is None else jax.tree.map(drop, tree)
+
+
+def reduced_sum(total: jax.Array) -> jax.Array:
+    """A running sum reduced to the plain type: the one all-reduce of a window when it
+    is unreduced, `total` itself otherwise."""
+    if not unreduced_axes(total):
+        return total
+    return _compat.retyped(total, reduced=_compat.sum_types(total)[0])
+
+
+def like_params(updates: Any, sums: Any) -> Any:
+    """`updates` typed reduced over the axes each leaf's running sum (in `sums`, same
+    structure) is unreduced over, as its parameter is: a cast that moves nothing.
+    Leaves of sums that are not unreduced come back as they are (the same objects)."""
+    return jax.tree.map(
+        lambda u, s: u if not unreduced_axes(s) else _compat.retyped(u, reduced=unreduced_axes(s)),
+        updates,
+        sums,
+    )
+
+
+def scalar_for(scalar: jax.Array, values: jax.Array) -> jax.Array:
+    """A plain scalar typed to multiply `values`: reduced over the axes `values` is
+    unreduced over (a partial sum times a common factor is a partial sum)."""
+    axes = unreduced_axes(values)
+    return scalar if not axes else _compat.retyped(scalar, reduced=axes)
+
+
+def check_sum_types(gradients: Any, sums: Any, *, what: str = "updates") -> None:
+    """Raises a clear error where a gradient's unreduced axes differ from its running
+    sum's (the state was made from params typed otherwise than those differentiated).
+
+    Raises:
+      TypeError: naming the leaf, the type that came and the one expected.
+    """
+    for (path, g), s in zip(
+        jax.tree_util.tree_flatten_with_path(gradients)[0], jax.tree.leaves(sums), strict=True
+    ):
+        got, want = unreduced_axes(g), unreduced_axes(s)
+        if got != want:
+            raise TypeError(
+                f"{what}{jax.tree_util.keystr(path)} must be typed unreduced over "
+                f"{sorted(want)}, as the running sum that tx.init made from its param is, "
+                f"got {jax.typeof(g)}. Make the state from the params you differentiate: a "
+                "param typed reduced over mesh axes (jax.reshard(p, P(..., reduced=axes))) "
+                "gets a sum unreduced over them, a plain param a plain sum"
+            )
+
+
+__all__ = [
+    "check_sum_types",
+    "like_params",
+    "plain",
+    "reduced_sum",
+    "scalar_for",
+    "sum_zeros",
+    "unreduced_axes",
+]
