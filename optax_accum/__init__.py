@@ -33,6 +33,7 @@ from optax_accum.state import (
     set_global_step,
 )
 from optax_accum.train_step import apply_gradients
+from optax_accum.unreduced import as_reduced, unreduced_grad
 
 __version__ = "0.1.0"
 
@@ -82,6 +83,7 @@ __all__ = [
     "agn",
     "apply_gradients",
     "apply_updates",
+    "as_reduced",
     "conditional_accumulator",
     "cross_shard",
     "cross_shard_optimizer",
@@ -98,4 +100,5 @@ __all__ = [
     "staleness_percentage",
     "state_partition_specs",
     "state_shardings",
+    "unreduced_grad",
 ]

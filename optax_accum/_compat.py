@@ -123,8 +123,25 @@ def sum_types(x: Any) -> tuple[frozenset, frozenset]:
     )
 
 
+def require_sum_types() -> None:
+    """Raises unless the running jax has reduced and unreduced sharding types.
+
+    Raises:
+      RuntimeError: naming the jax version found.
+    """
+    if not hasattr(jax.sharding.PartitionSpec(), "unreduced") or not hasattr(lax, "pcast"):
+        raise RuntimeError(
+            "unreduced gradients need jax's reduced and unreduced sharding types "
+            f"(jax 0.10 or newer), which jax {jax.__version__} does not have"
+        )
+
+
 def retyped(
-    x: jax.Array, *, reduced: frozenset = frozenset(), unreduced: frozenset = frozenset()
+    x: jax.Array,
+    *,
+    reduced: frozenset = frozenset(),
+    unreduced: frozenset = frozenset(),
+    like: Any = None,
 ) -> Any:
     """`x` typed reduced over `reduced` and unreduced over `unreduced` (explicit sharding).
 
@@ -133,7 +150,8 @@ def retyped(
     unreduced axes is the all-reduce that sums the devices' partial sums. `x` comes back
     as it is when its type already says so, or when it has no explicit sharding and
     nothing is asked. The concrete mesh of a placed array is used when it has one, so
-    this works eagerly outside `jax.set_mesh` too.
+    this works eagerly outside `jax.set_mesh` too. A scalar without a mesh (a constant
+    made in the program) takes the mesh of `like`.
 
     Raises:
       ValueError: when reduced or unreduced axes are asked of a value that has no
@@ -143,6 +161,12 @@ def retyped(
     if sum_types(x) == (reduced, unreduced):
         return x
     sharding = explicit_sharding(jax.typeof(x))
+    if sharding is None and like is not None and jax.numpy.ndim(x) == 0:
+        # A scalar made inside the program (a constant) takes `like`'s mesh, replicated.
+        sharding = explicit_sharding(jax.typeof(like))
+        sharding = sharding and jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec()
+        )
     if sharding is None or not hasattr(sharding.spec, "unreduced"):
         raise ValueError(
             f"optax_accum cannot type a value reduced over {sorted(reduced)} or unreduced "
@@ -194,8 +218,8 @@ def leading_axis_sharding(x: Any) -> Any:
     concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
     if isinstance(concrete, jax.sharding.NamedSharding):
         mesh = concrete.mesh
-    spec = sharding.spec
-    rows = (spec[0],) if len(spec) and jax.numpy.ndim(x) else ()
+    layout = getattr(sharding.spec, "partitions", sharding.spec)  # without reduced axes
+    rows = (layout[0],) if len(layout) and jax.numpy.ndim(x) else ()
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*rows))
 
 
@@ -249,6 +273,7 @@ __all__ = [
     "mesh_context",
     "pcast_varying",
     "replicated_under_auto",
+    "require_sum_types",
     "retyped",
     "sharding_of",
     "sum_types",

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _branch, _compat, _row_buffer, _row_ids, _sums
+from optax_accum import _branch, _compat, _row_buffer, _row_ids, _sums, _unreduced
 from optax_accum.indexed_slices import IndexedSlices
 
 
@@ -141,7 +141,7 @@ def release(acc: DenseRows, mean: bool, like: Any, axis_name: Any) -> jax.Array:
     """A dense leaf released: summed over `axis_name`, each row divided by its weight
     sum if `mean` (by the number of accepted gradients, when all of them were dense and
     unweighted)."""
-    total, weights = acc.values, acc.weights
+    total, weights = _unreduced.reduced_sum(acc.values), acc.weights  # the one all-reduce
     if axis_name is not None:
         total = lax.psum(total, axis_name)
     if mean:

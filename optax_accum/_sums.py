@@ -73,7 +73,7 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 def zeros_unless(pred: jax.Array, x: jax.Array) -> jax.Array:
     """`x` where `pred` holds, zeros (like `x`) elsewhere: a selection."""
-    return select(pred, x, jnp.zeros_like(x))
+    return select(pred, x, _unreduced.zeros_like(x))
 
 
 def restarted(emitted: jax.Array, accumulator: jax.Array) -> jax.Array:
@@ -83,7 +83,7 @@ def restarted(emitted: jax.Array, accumulator: jax.Array) -> jax.Array:
     which travel in it: see `_branch.release_if`); the next step adds to zeros instead,
     in the same pass as its addition, so no step spends a pass writing zeros.
     """
-    return select(emitted, jnp.zeros_like(accumulator), accumulator)
+    return select(emitted, _unreduced.zeros_like(accumulator), accumulator)
 
 
 def add_where(
@@ -121,7 +121,8 @@ def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Arr
     (cast) without a weight. A zero weight gives zeros, even for a NaN."""
     if weight is None:
         return values.astype(dtype)
-    compute = jnp.promote_types(dtype, jnp.float32)
+    # At least float32 (float64 stays: `jnp.promote_types` refuses it under strict promotion).
+    compute = jnp.dtype(dtype) if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
     product = values.astype(compute) * _unreduced.scalar_for(weight.astype(compute), values)
     return zeros_unless(weight > 0, product).astype(dtype)
 
@@ -203,7 +204,19 @@ def skip_rule(
     """
     if should_skip_update_fn is None:
         return None
-    out = should_skip_update_fn(updates, gradient_step, params)
+    try:
+        out = should_skip_update_fn(updates, gradient_step, params)
+    except (NotImplementedError, TypeError, ValueError) as e:
+        unreduced = [x for x in jax.tree.leaves(updates) if _unreduced.unreduced_axes(x)]
+        if not unreduced:
+            raise
+        raise TypeError(
+            "should_skip_update_fn cannot read gradients typed unreduced (each device "
+            f"holds a partial sum, e.g. {jax.typeof(unreduced[0])}: params typed reduced "
+            "under jit), whose true values are not known before the release reduces "
+            "them; for non-finite gradients use skip_nonfinite=True, which reads them "
+            "with one scalar all-reduce"
+        ) from e
     if isinstance(out, tuple | list) and len(out) == 2:
         out = out[0]
     if isinstance(out, bool | np.bool_):
@@ -222,11 +235,14 @@ def skip_rule(
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """A scalar bool: True iff no leaf of `tree` holds a NaN or Inf."""
+    """A scalar bool: True iff no leaf of `tree` holds a NaN or Inf.
+
+    A leaf typed unreduced (see `_unreduced`) is read through its devices' partial
+    sums: `_unreduced.finite`, one scalar all-reduce, no gradient-sized one."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.asarray(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+    return jnp.stack([_unreduced.finite(x) for x in leaves]).all()
 
 
 def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:

@@ -45,6 +45,17 @@ def sum_zeros(param: Any, dtype: Any) -> jax.Array:
     return _compat.retyped(zeros, unreduced=reduced)
 
 
+def zeros_like(x: jax.Array) -> jax.Array:
+    """`jnp.zeros_like(x)`, also for an unreduced `x` outside jit (where JAX cannot
+    build unreduced zeros directly: they are built plain, then typed unreduced)."""
+    axes = unreduced_axes(x)
+    if not axes or isinstance(x, jax.core.Tracer):
+        return jnp.zeros_like(x)
+    layout = jax.sharding.PartitionSpec(*x.sharding.spec.partitions)
+    zeros = jnp.zeros(x.shape, x.dtype, out_sharding=x.sharding.update(spec=layout))
+    return _compat.retyped(zeros, unreduced=axes)
+
+
 def plain(tree: Any) -> Any:
     """`tree` with every leaf's reduced axes dropped: the params as the inner optimizer
     sees them (no data moves). None stays None."""
@@ -79,7 +90,23 @@ def scalar_for(scalar: jax.Array, values: jax.Array) -> jax.Array:
     """A plain scalar typed to multiply `values`: reduced over the axes `values` is
     unreduced over (a partial sum times a common factor is a partial sum)."""
     axes = unreduced_axes(values)
-    return scalar if not axes else _compat.retyped(scalar, reduced=axes)
+    return scalar if not axes else _compat.retyped(scalar, reduced=axes, like=values)
+
+
+def finite(x: jax.Array) -> jax.Array:
+    """A scalar bool: whether `x` holds no NaN or Inf.
+
+    For `x` typed unreduced, whose true value is the sum of the devices' partial sums,
+    no elementwise test can run before the reduction; each device sums `0 * x` (0, or a
+    NaN where its partial sum holds a NaN or Inf), and the scalars are reduced: one
+    scalar all-reduce. A partial sum that holds a NaN or Inf makes the true sum hold
+    one too; finite partial sums whose total overflows are not caught.
+    """
+    axes = unreduced_axes(x)
+    if not axes:
+        return jnp.isfinite(x).all()
+    zeros = x * scalar_for(jnp.zeros((), x.dtype), x)
+    return jnp.isfinite(reduced_sum(jnp.sum(zeros)))
 
 
 def check_sum_types(gradients: Any, sums: Any, *, what: str = "updates") -> None:
@@ -105,10 +132,12 @@ def check_sum_types(gradients: Any, sums: Any, *, what: str = "updates") -> None
 
 __all__ = [
     "check_sum_types",
+    "finite",
     "like_params",
     "plain",
     "reduced_sum",
     "scalar_for",
     "sum_zeros",
     "unreduced_axes",
+    "zeros_like",
 ]

@@ -99,6 +99,14 @@ def conditional_accumulator(
     all-reduce of the tree), so all replicas release together. A straggler whose
     gradient is stale is simply not counted: TF's backup workers.
 
+    Under `jax.jit` with explicit sharding, a param typed reduced over mesh axes
+    (`optax_accum.as_reduced`) gets a running sum typed unreduced over them, which
+    takes the unreduced gradients `jax.grad` (or `optax_accum.unreduced_grad`) gives
+    for it: a held step adds each device's partial sum locally and moves nothing
+    across those axes; the release reduces the window's sum, one all-reduce per leaf
+    (which XLA may pack into one), inside its branch. `inner` then runs on the plain,
+    reduced values, and the updates come back typed as the params.
+
     TF counterpart: `tf.ConditionalAccumulator` (its `apply_grad`, `take_grad` and
     `set_global_step`), as used by `tf.train.SyncReplicasOptimizer`. Differences from
     TF: it is a transform, not a blocking queue (see `ConditionalAccumulator` for

@@ -28,6 +28,7 @@ from optax_accum import (
     _row_buffer,
     _row_ids,
     _sums,
+    _unreduced,
 )
 from optax_accum._dense_rows import DenseRows
 from optax_accum._row_buffer import RowBuffer
@@ -298,7 +299,7 @@ def sparse_conditional_accumulator(
                 params,
                 mask,
             ),
-            inner_state=inner.init(params),
+            inner_state=inner.init(_unreduced.plain(params)),
         )
 
     def update_fn(
@@ -318,6 +319,7 @@ def sparse_conditional_accumulator(
         w, weight_ok = _sums.weight_or_none(weight)
         grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
+        _check_sum_types(grads, accs)
         judged = _gate.judged(
             verdict,
             fresh=step >= state.global_step,
@@ -343,9 +345,15 @@ def sparse_conditional_accumulator(
 
         # The release reads the accumulator and never returns it; a held step passes
         # the inner state on untouched (see _branch).
+        # An unreduced dense sum (under jit) is reduced here, once a window; the inner
+        # optimizer runs on plain values, its updates typed as the params are.
         def release(inner_state):
             aggregate = _aggregate(accumulator, updates, mean, axis_name)
-            return inner.update(aggregate, inner_state, params, **extra_args)
+            plain_params = _unreduced.plain(params)
+            new_updates, inner_state = inner.update(
+                aggregate, inner_state, plain_params, **extra_args
+            )
+            return _like_params(new_updates, accumulator), inner_state
 
         new_updates, inner_state = _branch.update_if(
             emit, release, state.inner_state, salt=count, params=params, held=_as_padding
@@ -387,6 +395,27 @@ def _accumulate(
     for i, a in zip(sparse_at + dense_at, buffers + dense, strict=True):
         accs[i] = a
     return accs, accepted, overflow, sparse_out + dense_out
+
+
+def _check_sum_types(grads: list, accs: list) -> None:
+    """A clear error where a dense leaf's gradient is not typed unreduced over the axes
+    its running sum is (see `_unreduced`)."""
+    dense = [
+        (g, a.values)
+        for g, a in zip(grads, accs, strict=True)
+        if not _is_buffer(a) and not isinstance(g, IndexedSlices)
+    ]
+    _unreduced.check_sum_types([g for g, _ in dense], [a for _, a in dense])
+
+
+def _like_params(updates: Any, accumulator: Any) -> Any:
+    """Dense updates typed reduced where their running sum is unreduced (as their
+    params are): a cast that moves nothing."""
+
+    def leaf(u: Any, a: Any) -> Any:
+        return u if _is_buffer(a) else _unreduced.like_params(u, a.values)
+
+    return jax.tree.map(leaf, updates, accumulator, is_leaf=_is_slices)
 
 
 def _aggregate(accumulator: Any, updates: Any, mean: bool, axis_name: Any) -> Any:
