@@ -173,7 +173,22 @@ def _apply_gradients(tx, model, layout, params, opt_state, batch, lag, weight):
     return optax_accum.apply_gradients(tx, grads, opt_state, params, **extra)
 
 
-PATTERNS = {"canonical": _canonical, "apply_gradients": _apply_gradients}
+def _train_state(tx, model, layout, params, opt_state, batch, lag, weight):
+    """Flax linen's TrainState (optax_accum's), rebuilt around the step's arrays."""
+    pytest.importorskip("flax")
+    from optax_accum.flax_train_state import TrainState
+
+    state = TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt_state)
+    grads = _grads(model, layout, params, batch)
+    state = state.apply_gradients(grads=grads, **_extra(opt_state, lag, weight))
+    return state.params, state.opt_state
+
+
+PATTERNS = {
+    "canonical": _canonical,
+    "apply_gradients": _apply_gradients,
+    "train_state": _train_state,
+}
 
 
 def _mesh(layout: str):
@@ -380,14 +395,16 @@ MATRIX = (
         (case, pattern, "data", "dots")
         for case in sorted(CASES)
         for pattern in sorted(PATTERNS)
+        if pattern != "train_state" or case == "conditional_accumulator"
         if case != "skip_nonfinite" or pattern == "canonical"
     ]
     + [
         ("conditional_accumulator", pattern, layout, "dots")
-        for pattern in sorted(PATTERNS)
+        for pattern in ("apply_gradients", "canonical")
         for layout in ("fsdp", "two_level")
     ]
     + [
+        ("conditional_accumulator", "train_state", "two_level", "dots"),
         ("conditional_accumulator", "canonical", "data", "any"),
         ("conditional_accumulator", "apply_gradients", "fsdp", "any"),
         ("conditional_accumulator", "canonical", "two_level", "any"),
@@ -474,3 +491,44 @@ def test_gradients_typed_otherwise_than_the_state_name_the_leaf():
         step = jax.jit(functools.partial(_canonical, tx, "dots", "data"))
         with pytest.raises(TypeError, match=r"updates\['v'\] must be typed unreduced over \[\]"):
             step(params, state, batch, jnp.int32(0), jnp.float64(1.0))
+
+
+def test_nnx_optimizer_keeps_the_params_reduced_and_reduces_once_a_window():
+    """`optax_accum.NNXOptimizer` on an NNX model whose params are typed reduced: 8
+    steps equal the one-device `apply_gradients` run, a held step moves nothing."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, params):
+            self.w, self.v = nnx.Param(params["w"]), nnx.Param(params["v"])
+
+    def loss(model, batch):
+        return _loss({"w": model.w[...], "v": model.v[...]}, batch, "data")
+
+    tx = CASES["conditional_accumulator"]()
+    with jax.set_mesh(_mesh("data")):
+        model = Model(_place_params(_params("dots"), "data"))
+        optimizer = optax_accum.NNXOptimizer(model, tx, wrt=nnx.Param)
+        graphdef, state = nnx.split((model, optimizer))
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def step(state, batch, lag, weight):
+            model, optimizer = nnx.merge(graphdef, state)
+            grads = nnx.grad(loss)(model, batch)
+            extra = _extra(nnx.as_pure(optimizer.opt_state), lag, weight)
+            optimizer.update(model, grads, **extra)
+            return nnx.state((model, optimizer))
+
+        compiled = None
+        for batch, lag, weight in zip(_batches(), LAGS, WEIGHTS, strict=True):
+            args = (state, _place_batch(batch, "data"), jnp.int32(lag), jnp.float64(weight))
+            compiled = compiled or step.lower(*args).compile()
+            state = compiled(*args)
+        model, _ = nnx.merge(graphdef, state)
+    params = {"w": model.w[...], "v": model.v[...]}
+    want_params, _ = _one_device("conditional_accumulator", "apply_gradients", "dots")
+    _assert_close(params, want_params)
+    _assert_types_kept(params, nnx.as_pure(nnx.merge(graphdef, state)[1].opt_state), "data")
+    found = collectives(compiled)
+    assert not [c for c in found if c.every_step], found
+    assert sum(c.nbytes for c in found) == _shard_bytes(params), found
