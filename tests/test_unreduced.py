@@ -532,3 +532,29 @@ def test_nnx_optimizer_keeps_the_params_reduced_and_reduces_once_a_window():
     found = collectives(compiled)
     assert not [c for c in found if c.every_step], found
     assert sum(c.nbytes for c in found) == _shard_bytes(params), found
+
+
+def test_state_shardings_types_the_sums_unreduced():
+    """`state_shardings` on params placed typed reduced: the sums unreduced, the inner
+    optimizer's moments plain, each laid out like its param."""
+    mesh = _mesh("fsdp")
+    spec = P("fsdp", None, reduced={"data"})
+    params = {"w": jax.device_put(jnp.ones((16, 4)), jax.sharding.NamedSharding(mesh, spec))}
+    tx = CASES["conditional_accumulator"]()
+    shardings = optax_accum.state_shardings(tx, params)
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    assert shardings.accumulator["w"].spec == P("fsdp", None, unreduced={"data"})
+    assert jax.typeof(state.accumulator["w"]) == jax.typeof(tx.init(params).accumulator["w"])
+    assert _compat.sum_types(state.inner_state[0].mu["w"]) == (frozenset(), frozenset())
+
+
+def test_auto_sharding_has_no_reduced_type_on_this_jax():
+    """Under auto sharding (GSPMD) jax 0.10 refuses reduced and unreduced axes, so there
+    is no auto-sharded row: the compiler decides where the gradient is reduced. When a
+    jax accepts them, this fails, and the auto row is to be added."""
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(auto,))
+    with pytest.raises(
+        ValueError, match="Reduced axes can only refer to mesh axes that is of type"
+    ):
+        jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P(None, reduced={"data"})))
