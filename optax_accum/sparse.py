@@ -206,6 +206,12 @@ def sparse_conditional_accumulator(
     gradient's dtype. (On one device, duplicates are added by a scatter, in the order
     the backend chooses; GPUs do not fix it.)
 
+    Under `jax.jit` with explicit sharding, a dense leaf whose param is typed reduced
+    over mesh axes (`optax_accum.as_reduced`) keeps its sum typed unreduced over them,
+    as `conditional_accumulator` does: a held step adds locally, the release reduces
+    the sum once, inside its branch, `inner` runs on plain values and the dense
+    updates come back typed as the params.
+
     Cost: an update does a few gathers and scatters over the gradient's rows, and no
     sort; a release sorts the `capacity` row ids. Nothing scales with the table,
     except the map's memory (4 bytes per table row). With `axis_name`, each replica
