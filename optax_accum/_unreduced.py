@@ -58,13 +58,16 @@ def zeros_like(x: jax.Array) -> jax.Array:
 
 def plain(tree: Any) -> Any:
     """`tree` with every leaf's reduced axes dropped: the params as the inner optimizer
-    sees them (no data moves). None stays None."""
+    sees them (no data moves). A tree with no reduced leaf comes back as the very same
+    object (the fused train step knows its params by identity); None stays None."""
+    if tree is None or not any(_compat.sum_types(x)[0] for x in jax.tree.leaves(tree)):
+        return tree
 
     def drop(x: Any) -> Any:
         reduced, unreduced = _compat.sum_types(x)
         return _compat.retyped(x, unreduced=unreduced) if reduced else x
 
-    return None if tree is None else jax.tree.map(drop, tree)
+    return jax.tree.map(drop, tree)
 
 
 def reduced_sum(total: jax.Array) -> jax.Array:
