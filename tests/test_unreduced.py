@@ -558,3 +558,56 @@ def test_auto_sharding_has_no_reduced_type_on_this_jax():
         ValueError, match="Reduced axes can only refer to mesh axes that is of type"
     ):
         jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P(None, reduced={"data"})))
+
+
+def _rows_step(tx, params, opt_state, ids, x, y):
+    """An embedding table's row-sparse gradient (differentiated at the gathered rows)
+    beside a dense weight's."""
+
+    def loss(rows, w):
+        return jnp.mean((jnp.tanh(x @ w) + rows - y) ** 2)
+
+    g_rows, g_w = jax.grad(loss, argnums=(0, 1))(params["emb"][ids], params["w"])
+    grads = {"emb": optax_accum.IndexedSlices(ids, g_rows, params["emb"].shape), "w": g_w}
+    return optax_accum.apply_gradients(tx, grads, opt_state, params)
+
+
+def test_row_sparse_leaves_beside_reduced_dense_ones():
+    """`sparse_conditional_accumulator` with a row-sparse table kept plain and a dense
+    weight typed reduced: the table's rows are split over the batch, not partial sums,
+    so the row buffer gathers the step's rows (never the table); the dense sum stays
+    unreduced and is reduced once a window. (A reduced table cannot be indexed on jax
+    0.10.2: `t[ids]` raises in JAX's own indexing.)"""
+    rng = np.random.default_rng(0)
+    start = {"emb": rng.normal(size=(32, 4)), "w": rng.normal(size=(16, 4)) / 4}
+    steps = [
+        (
+            rng.integers(0, 32, size=16).astype(np.int32),
+            rng.normal(size=(16, 16)),
+            rng.normal(size=(16, 4)),
+        )
+        for _ in range(4)
+    ]
+    results = {}
+    for layout in (None, "data"):
+        tx = optax_accum.sparse_conditional_accumulator(optax_accum.sparse_sgd(0.5), 2, capacity=32)
+        context = contextlib.nullcontext() if layout is None else jax.set_mesh(_mesh("data"))
+        with context:
+            params = jax.tree.map(jnp.asarray, start)
+            if layout:
+                params["w"] = optax_accum.as_reduced(params["w"], "data")
+            state = tx.init(params)
+            step = jax.jit(functools.partial(_rows_step, tx), donate_argnums=(0, 1))
+            compiled = None
+            for ids, x, y in steps:
+                x, y = _place_batch((x, y), layout)
+                args = (params, state, jnp.asarray(ids), x, y)
+                compiled = compiled or step.lower(*args).compile()
+                params, state = compiled(*args)
+        results[layout] = params
+    _assert_close(results["data"], jax.tree.map(np.asarray, results[None]))
+    assert _compat.sum_types(results["data"]["w"]) == (frozenset({"data"}), frozenset())
+    found = collectives(compiled)
+    rows_bytes = 16 * 4 * 8  # the step's 16 gathered rows, float64
+    assert [(c.opcode, c.nbytes) for c in found if c.every_step] == [("all-gather", rows_bytes)]
+    assert [(c.opcode, c.nbytes) for c in found if not c.every_step] == [("all-reduce", 16 * 4 * 8)]
