@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _checks, _counters, _state_tree
+from optax_accum import _checks, _counters, _state_tree, _sums, _unreduced
 from optax_accum.accumulator import ConditionalAccumulatorState
 from optax_accum.agn import AGNState
 from optax_accum.sparse import SparseConditionalAccumulatorState
@@ -180,8 +180,10 @@ def accumulated(state: Any) -> Any:
     spent = jnp.asarray(found.emitted)
 
     def read(a: jax.Array) -> jax.Array:
-        flag = spent.reshape(spent.shape + (1,) * (a.ndim - spent.ndim))
-        return jnp.where(flag, jnp.zeros((), a.dtype), a)
+        flag = (
+            spent if not spent.ndim else spent.reshape(spent.shape + (1,) * (a.ndim - spent.ndim))
+        )
+        return _sums.select(flag, _unreduced.zeros_like(a), a)  # an unreduced sum stays so
 
     return jax.tree.map(read, found.accumulator)
 

@@ -611,3 +611,19 @@ def test_row_sparse_leaves_beside_reduced_dense_ones():
     rows_bytes = 16 * 4 * 8  # the step's 16 gathered rows, float64
     assert [(c.opcode, c.nbytes) for c in found if c.every_step] == [("all-gather", rows_bytes)]
     assert [(c.opcode, c.nbytes) for c in found if not c.every_step] == [("all-reduce", 16 * 4 * 8)]
+
+
+def test_accumulated_reads_an_unreduced_sum():
+    """`optax_accum.accumulated` keeps the sum's type; reduced, it is the gradients' sum."""
+    tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 3)
+    with jax.set_mesh(_mesh("data")):
+        params = _place_params(_params("dots"), "data")
+        state = tx.init(params)
+        batch = _place_batch(_batches()[0], "data")
+        grads = jax.jit(functools.partial(_grads, "dots", "data"))(params, batch)
+        _, state = jax.jit(tx.update)(grads, state, params)
+        _, state = jax.jit(tx.update)(grads, state, params)
+        total = optax_accum.accumulated(state)
+    assert all(_compat.sum_types(x)[1] == {"data"} for x in jax.tree.leaves(total))
+    want = jax.tree.map(lambda g: 2 * _read(g), grads)
+    _assert_close(total, want)
