@@ -201,6 +201,8 @@ def conditional_accumulator(
         _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
         step = _counters.local_step_or(local_step, state.global_step)
+        if weight is not None:
+            _extra_args.read_weight()
         w, weight_ok = _sums.weight_or_none(weight)
         judged = _gate.judged(
             verdict,

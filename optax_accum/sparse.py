@@ -315,6 +315,8 @@ def sparse_conditional_accumulator(
         _extra_args.warn_misspelled(extra_args)
         _check_updates(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
+        if weight is not None:
+            _extra_args.read_weight()
         w, weight_ok = _sums.weight_or_none(weight)
         grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
