@@ -288,6 +288,24 @@ STATEFUL_BAD: list[HostBad] = [
         r"weight must be a non-negative, finite scalar",
     ),
     _dense(
+        "take_grad/grace_period=-1",
+        lambda a: a.take_grad(1, timeout=WAIT, grace_period=-1),
+        ValueError,
+        r"grace_period must be None or a finite number of seconds >= 0, got -1",
+    ),
+    _dense(
+        "take_grad/grace_period=inf",
+        lambda a: a.take_grad(1, timeout=WAIT, grace_period=float("inf")),
+        ValueError,
+        r"grace_period must be None or a finite number of seconds >= 0, got inf",
+    ),
+    _dense(
+        "take_grad/grace_period str",
+        lambda a: a.take_grad(1, timeout=WAIT, grace_period="0.1"),
+        TypeError,
+        r"grace_period must be None or a number of seconds, got '0\.1' \(str\)",
+    ),
+    _dense(
         "take_grad/num_required=0",
         lambda a: a.take_grad(0, timeout=WAIT),
         ValueError,
@@ -470,6 +488,12 @@ STATEFUL_BAD: list[HostBad] = [
         lambda a: a.take_grad(0, timeout=WAIT),
         ValueError,
         r"num_required must be positive, but was 0",
+    ),
+    _sparse_host(
+        "take_indexed_slices_grad/grace_period=nan",
+        lambda a: a.take_indexed_slices_grad(1, timeout=WAIT, grace_period=float("nan")),
+        ValueError,
+        r"grace_period must be None or a finite number of seconds >= 0, got nan",
     ),
     _sparse_host(
         "take_indexed_slices_grad/num_required=-1",

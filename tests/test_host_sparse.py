@@ -158,6 +158,16 @@ def test_dtypes(dtype):
     assert float(values[0, 0]) == 4.5
 
 
+@pytest.mark.parametrize("nnz", [1, 3, 8])  # padded to 8 rows or not
+def test_float64_rows_stay_float64_without_x64(nnz):
+    acc = optax_accum.SparseConditionalAccumulator(np.float64, shape=(8, 1))
+    rows = np.full((nnz, 1), 1 + 1e-12)  # 1 in float32
+    for _ in range(2):
+        acc.apply_grad(np.arange(nnz), rows)
+    _, values, _ = take(acc)
+    np.testing.assert_array_equal(values, rows)
+
+
 def test_jax_inputs_and_indexed_slices():
     acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(5, 2))
     acc.apply_grad(jnp.array([4, 1, 4]), jnp.ones((3, 2)), grad_shape=(5, 2))

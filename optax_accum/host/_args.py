@@ -164,6 +164,24 @@ def check_weight(weight: Any) -> float | None:
     return float(np.float32(value))
 
 
+def check_grace_period(grace_period: Any) -> float | None:
+    """Seconds a take waits on once its count is reached; None (or 0) for none."""
+    if grace_period is None:
+        return None
+    if isinstance(grace_period, bool) or not isinstance(
+        grace_period, int | float | np.integer | np.floating
+    ):
+        raise TypeError(
+            f"grace_period must be None or a number of seconds, got {grace_period!r} "
+            f"({type(grace_period).__name__})"
+        )
+    if not (math.isfinite(grace_period) and grace_period >= 0):
+        raise ValueError(
+            f"grace_period must be None or a finite number of seconds >= 0, got {grace_period!r}"
+        )
+    return float(grace_period) or None
+
+
 def kernel_weight(weight: float | None) -> np.ndarray | None:
     """A checked weight as the kernels take it: None for 1 (nothing multiplied: `1 * g`
     is `g`), else a float32 scalar."""

@@ -362,28 +362,62 @@ class ConditionalAccumulator(HostAccumulator):
         """
         return self._core.apply(grad, local_step, weight)
 
-    def take_grad(self, num_required: int, timeout: float | None = None) -> jax.Array:
+    def take_grad(
+        self,
+        num_required: int,
+        timeout: float | None = None,
+        *,
+        grace_period: float | None = None,
+    ) -> jax.Array:
         """Blocks until `num_required` gradients are in, then returns their aggregate.
 
         Takes are served in the order they were called: a waiting take holds back
         every later one. On completion the global step advances by one and the counter
-        and aggregate reset. MEAN divides by every accepted gradient, which can be
-        more than `num_required`.
+        and aggregate reset. MEAN divides by every accepted gradient (or their weight
+        sum), which can be more than `num_required`.
+
+        With `grace_period` (not in TF), `num_required` is a quorum: once it is
+        reached the take waits up to that many seconds more, still at the head of the
+        queue, and then takes every gradient accepted by then. Gradients computed at
+        the current step keep being accepted meanwhile (the global step advances only
+        when the take completes), so a straggler that arrives within the window is
+        used instead of being dropped as stale: the minimum quorum and grace window
+        of Decoupled DiLoCo (arXiv 2604.21428). `timeout` bounds the wait for the
+        quorum only; once it is reached the take completes after the grace period.
+        Later takes wait behind it; `cancel_waiting_takes` or an exception in the
+        taker's thread (KeyboardInterrupt included) withdraws it during the window too,
+        consuming nothing.
 
         Args:
           num_required: a positive int, or a 0-d integer NumPy or JAX array (as TF
             takes a tensor).
-          timeout: seconds to wait at most; None or `float("inf")` waits forever.
+          timeout: seconds to wait for `num_required` gradients at most; None or
+            `float("inf")` waits forever.
+          grace_period: seconds to wait on once `num_required` gradients are in (a
+            non-negative, finite number); None or 0 takes them at once, as TF does.
 
         Returns:
           A `jax.Array` of the accumulator's dtype.
 
         Raises:
-          ValueError / TypeError: for a bad `num_required` or `timeout` (no change).
-          TimeoutError: when `timeout` passed first; the take is withdrawn.
+          ValueError / TypeError: for a bad `num_required`, `timeout` or
+            `grace_period` (no change).
+          TimeoutError: when `timeout` passed before `num_required` gradients were
+            in; the take is withdrawn.
           concurrent.futures.CancelledError: if `cancel_waiting_takes` was called.
           Any device error while reducing: the take had completed (the global step
             advanced, the counter reset), and its gradients are lost with it; the
             accumulator goes on, consistent and usable.
+
+        Example:
+          >>> import threading, time, numpy as np, optax_accum
+          >>> acc = optax_accum.ConditionalAccumulator(np.float32, shape=())
+          >>> acc.apply_grad(np.float32(1.0), weight=3)  # e.g. 3 tokens
+          True
+          >>> late = threading.Timer(0.01, acc.apply_grad, (np.float32(5.0),))
+          >>> late.start()  # a straggler, still at step 0
+          >>> acc.take_grad(1, timeout=10.0, grace_period=1.0)  # (3 * 1 + 5) / 4
+          Array(2., dtype=float32)
+          >>> late.join()
         """
-        return self._core.take(num_required, timeout)
+        return self._core.take(num_required, timeout, grace_period)

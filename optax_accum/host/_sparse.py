@@ -204,7 +204,8 @@ class SparseCore(Core):
             return values, None, True
         if self.device.is_cpu and nnz and (nnz != padded or not isinstance(values, jax.Array)):
             staged = self.device.stage(np.asarray(values), padded)
-            return jax.device_put(staged, may_alias=True), staged, False
+            with self.device.precision():  # float64 stays float64
+                return jax.device_put(staged, may_alias=True), staged, False
         if nnz != padded:  # rows padded to a bucketed count
             grown = np.zeros((padded, *values.shape[1:]), values.dtype)
             grown[:nnz] = np.asarray(values)
@@ -552,15 +553,23 @@ class SparseConditionalAccumulator(HostAccumulator):
         return self._core.apply(indices, values, grad.dense_shape, local_step, weight)
 
     def take_grad(
-        self, num_required: int, timeout: float | None = None
+        self,
+        num_required: int,
+        timeout: float | None = None,
+        *,
+        grace_period: float | None = None,
     ) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
         """Blocks until `num_required` gradients are in; returns their aggregate rows.
 
-        Served first come, first served, as `ConditionalAccumulator.take_grad`.
+        Served first come, first served, as `ConditionalAccumulator.take_grad`, with
+        the same `grace_period`.
 
         Args:
           num_required: a positive int, or a 0-d integer NumPy or JAX array.
-          timeout: seconds to wait at most; None or `float("inf")` waits forever.
+          timeout: seconds to wait for `num_required` gradients at most; None or
+            `float("inf")` waits forever.
+          grace_period: seconds to wait on once `num_required` gradients are in,
+            taking every gradient accepted by then; None or 0: none.
 
         Returns:
           `(indices, values, shape)`: sorted unique int32 row ids, their rows (MEAN
@@ -570,16 +579,22 @@ class SparseConditionalAccumulator(HostAccumulator):
         Raises:
           As `ConditionalAccumulator.take_grad`.
         """
-        return self._core.take(num_required, timeout)
+        return self._core.take(num_required, timeout, grace_period)
 
     def take_indexed_slices_grad(
-        self, num_required: int, timeout: float | None = None
+        self,
+        num_required: int,
+        timeout: float | None = None,
+        *,
+        grace_period: float | None = None,
     ) -> IndexedSlices:
         """`take_grad`, returning an `IndexedSlices`.
 
         Args:
           num_required: a positive int, or a 0-d integer NumPy or JAX array.
-          timeout: seconds to wait at most; None or `float("inf")` waits forever.
+          timeout: seconds to wait for `num_required` gradients at most; None or
+            `float("inf")` waits forever.
+          grace_period: as for `take_grad`.
 
         Returns:
           `IndexedSlices(indices, values, shape)` as `take_grad` returns them.
@@ -587,4 +602,4 @@ class SparseConditionalAccumulator(HostAccumulator):
         Raises:
           As `ConditionalAccumulator.take_grad`.
         """
-        return IndexedSlices(*self.take_grad(num_required, timeout))
+        return IndexedSlices(*self.take_grad(num_required, timeout, grace_period=grace_period))
