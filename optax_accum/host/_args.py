@@ -188,6 +188,15 @@ def kernel_weight(weight: float | None) -> np.ndarray | None:
     return None if weight is None or weight == 1 else np.float32(weight)
 
 
+def kernel_weights(weights: list[float | None]) -> np.ndarray | None:
+    """The weights of gradients added by one kernel, as it takes them: None when none
+    needs multiplying, else a float32 vector (1 for None): a kernel compiles for these
+    two forms only."""
+    if all(kernel_weight(w) is None for w in weights):
+        return None
+    return np.array([1 if w is None else w for w in weights], np.float32)
+
+
 def fmt(shape: Shape | None) -> str:
     return "unknown" if shape is None else str(tuple("?" if d is None else d for d in shape))
 

@@ -9,14 +9,13 @@ pass. Nothing recompiles for same-shape gradients.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _counters, _sums
+from optax_accum import _sums
 from optax_accum.host import _args
 from optax_accum.host._core import Batch, Core, HostAccumulator
 
@@ -27,28 +26,36 @@ _MAX_PENDING = 4  # dense gradients added per kernel at most
 # Module-level jits: every accumulator shares their compilation caches.
 
 
-def _summed(grads: tuple[jax.Array, ...], weights: tuple, dtype: Any) -> jax.Array:
-    """A fresh buffer holding the sum of `weights[i] * grads[i]` (None: 1), added left to
-    right, in `dtype`."""
-    if weights[0] is None:
+def _weight(weights: jax.Array | None, i: int) -> jax.Array | None:
+    return None if weights is None else weights[i]
+
+
+def _summed(grads: tuple[jax.Array, ...], weights: jax.Array | None, dtype: Any) -> jax.Array:
+    """A fresh buffer holding the sum of `weights[i] * grads[i]` (no `weights`: 1 each),
+    added left to right, in `dtype`."""
+    if weights is None:
         total = jnp.array(grads[0], dtype, copy=True)  # never aliases an input
     else:
         total = _sums.weighted(grads[0], weights[0], dtype)
-    for grad, weight in zip(grads[1:], weights[1:], strict=True):
-        total = total + _sums.weighted(grad, weight, dtype)
+    for i, grad in enumerate(grads[1:], 1):
+        total = total + _sums.weighted(grad, _weight(weights, i), dtype)
     return total
 
 
 _sum_as = jax.jit(_summed, static_argnames="dtype")
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _add(aggregate: jax.Array, grads: tuple[jax.Array, ...], weights: tuple) -> jax.Array:
-    """`aggregate` plus each `weights[i] * grads[i]` (None: 1) in turn: the rounding of
-    one add at a time, as the functional accumulator's."""
-    for grad, weight in zip(grads, weights, strict=True):
-        aggregate = aggregate + _sums.weighted(grad, weight, aggregate.dtype)
+def _added(
+    aggregate: jax.Array, grads: tuple[jax.Array, ...], weights: jax.Array | None
+) -> jax.Array:
+    """`aggregate` plus each `weights[i] * grads[i]` (no `weights`: 1 each) in turn: the
+    rounding of one add at a time, as the functional accumulator's."""
+    for i, grad in enumerate(grads):
+        aggregate = aggregate + _sums.weighted(grad, _weight(weights, i), aggregate.dtype)
     return aggregate
+
+
+_add = jax.jit(_added, donate_argnums=0)
 
 
 @jax.jit
@@ -59,7 +66,7 @@ def _all_finite(x: jax.Array) -> jax.Array:
 def _finish(
     aggregate: jax.Array | None,
     grads: tuple[jax.Array, ...],
-    weights: tuple,
+    weights: jax.Array | None,
     divisor: jax.Array | None,
     *,
     acc_dtype: Any,
@@ -68,11 +75,9 @@ def _finish(
     """The take's answer in one pass: the last pending gradients added, then divided by
     `divisor` (MEAN; None: SUM)."""
     if aggregate is None:  # a fresh buffer: the answer must not alias a (pooled) input
-        aggregate = _summed(grads, weights, acc_dtype)
-        grads, weights = (), ()
-    total = aggregate
-    for grad, weight in zip(grads, weights, strict=True):
-        total = total + _sums.weighted(grad, weight, acc_dtype)
+        total = _summed(grads, weights, acc_dtype)
+    else:
+        total = _added(aggregate, grads, weights)
     if divisor is not None:
         total = total / divisor.astype(acc_dtype)
     return total.astype(dtype)
@@ -174,7 +179,7 @@ class DenseCore(Core):
         try:
             if pending and (flush or len(pending) == _MAX_PENDING):
                 grads = tuple(g for g, _, _ in pending)
-                weights = tuple(_args.kernel_weight(w) for _, _, w in pending)
+                weights = _args.kernel_weights([w for _, _, w in pending])
                 in_flight = tuple(b for _, b, _ in pending if b is not None)
                 if batch.aggregate is None:
                     total = _sum_as(grads, weights, dtype=self.acc_dtype)
@@ -215,7 +220,8 @@ class DenseCore(Core):
         if batch.weighted:
             weight_sum = np.float32(batch.weight_sum)
             return None if weight_sum in (0, 1) else weight_sum
-        return None if batch.count == 1 else _counters.int32(batch.count)
+        # float32, as the weight sum (exact to 2**24 gradients): one form to compile
+        return None if batch.count == 1 else np.float32(batch.count)
 
     def reduce(self, batch: DenseBatch) -> jax.Array:
         buffers = (*batch.in_flight, *(b for _, b, _ in batch.pending))
@@ -230,7 +236,7 @@ class DenseCore(Core):
             result = finish(
                 aggregate,
                 tuple(g for g, _, _ in pending),
-                tuple(_args.kernel_weight(w) for _, _, w in pending),
+                _args.kernel_weights([w for _, _, w in pending]),
                 divisor,
                 acc_dtype=self.acc_dtype,
                 dtype=self.dtype,
