@@ -604,6 +604,30 @@ def test_a_reduction_that_fails_once_at_the_hand_off_is_retried_by_the_taker(mon
     assert calls and counters(acc) == (1, 0, 0, 0)
 
 
+def test_a_hand_off_interrupted_after_its_answer_was_dispatched(pool, monkeypatch):
+    # The answer's kernel consumed the aggregate, and the interrupt lost its result:
+    # the take completes with a clear error, and the accumulator goes on.
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    real = _dense.DenseCore.seal
+
+    def interrupted(self, batch):
+        self._answer(batch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_dense.DenseCore, "seal", interrupted)
+    future = pool.submit(acc.take_grad, 2, T)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    acc.apply_grad(f32([1, 1]))  # one short: added at once, the aggregate exists
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(f32([3, 3]))
+    with pytest.raises(RuntimeError, match="interrupted at its hand-off"):
+        future.result(timeout=T)
+    monkeypatch.setattr(_dense.DenseCore, "seal", real)
+    assert counters(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
+    acc.apply_grad(f32([5, 5]), local_step=1)
+    np.testing.assert_array_equal(take(acc), [5, 5])
+
+
 def test_an_apply_whose_add_fails_changes_nothing(monkeypatch):
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type="SUM")
     for x in range(1, _dense._MAX_PENDING):  # the queue before one kernel adds them

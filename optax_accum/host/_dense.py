@@ -256,6 +256,11 @@ class DenseCore(Core):
     def _answer(self, batch: DenseBatch) -> jax.Array:
         """Dispatches the take's result: the pending gradients added, then divided."""
         aggregate, pending = self._adopted(batch)
+        if aggregate is not None and aggregate.is_deleted():  # see Core.serve
+            raise RuntimeError(
+                "take_grad was interrupted at its hand-off after its answer was dispatched "
+                "and before it was kept; the take completed and its gradients are lost"
+            )
         divisor = self._divisor(batch)
         if aggregate is None and not pending:  # every gradient weighed 0
             return self.device.own(np.zeros(batch.grad_shape, self.dtype))
