@@ -346,8 +346,8 @@ def test_matches_reference_model(mean, program):
 # --------------------------------------------------------------------------- weights
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_weights_match_the_functional_sparse_accumulator(reduction):
+def test_weights_match_the_functional_sparse_accumulator(reduction="mean"):
+    # MEAN only (a compile of the transform costs seconds); SUM is the reference model's.
     # Rows touched by different gradients and weights (0 on a NaN row among them);
     # each row's mean divides by the weight sum of the gradients that touched it.
     grads = [
