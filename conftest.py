@@ -25,3 +25,46 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=25, deadline=None)
 settings.register_profile("thorough", max_examples=100, deadline=None)
 settings.load_profile("ci")
+
+
+# --------------------------------------------------------------------------- Ray
+# One local Ray cluster per test session (per pytest-xdist worker), started by the
+# first test that needs it (tests/test_ray*.py, optax_accum/ray's doctests) and shut
+# down at the end: 2 CPUs, bound to the loopback address, no dashboard.
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+_ROOT = pathlib.Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster whose workers import this checkout's optax_accum."""
+    ray = pytest.importorskip("ray")
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), path) if p)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
+@pytest.fixture(autouse=True)
+def _ray_for_doctests(request):
+    """optax_accum/ray's doctests run on the session's cluster."""
+    if isinstance(request.node, pytest.DoctestItem) and "optax_accum/ray/" in str(
+        request.node.path
+    ):
+        request.getfixturevalue("ray_cluster")

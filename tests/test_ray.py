@@ -1,0 +1,171 @@
+"""optax_accum.ray: the host accumulators in a named Ray actor, driven from several
+processes of one local Ray cluster (the session's `ray_cluster`, in conftest.py).
+
+The differential test runs one random program of applies, takes and
+`set_global_step` on the Ray object, each call issued from one of three processes
+(this one and two Ray actors), and on the in-process object, and compares every
+answer. The fault tests kill real processes: a worker mid-apply, a chief blocked in a
+take, the accumulator's actor (with and without a checkpoint to resume from).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import optax_accum  # noqa: E402
+import optax_accum.ray as oray  # noqa: E402
+
+WAIT = 60.0  # seconds: the bound on any wait that should finish promptly (Ray is slow here)
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def wait_until(predicate, what="condition"):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {WAIT} s"
+        time.sleep(0.005)
+
+
+@ray.remote(max_concurrency=4)
+class Process:
+    """Another process of the cluster, calling a handle's methods for the test."""
+
+    def call(self, handle, method, *args, **kwargs):
+        return jax.device_get(getattr(handle, method)(*args, **kwargs))
+
+    def pid(self):
+        return os.getpid()
+
+    def build_and_apply(self, shared_name, grad):
+        acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name=shared_name)
+        return acc.apply_grad(grad)
+
+    def apply_until_killed(self, handle, log_path, n):
+        """Applies gradient i = 2**i (for i < n), logging each acknowledged one."""
+        for i in range(n):
+            grad = np.full(2, 2.0**i, np.float64)
+            assert handle.apply_grad(grad, local_step=0)
+            with open(log_path, "a") as log:
+                log.write(f"{i}\n")
+        return n
+
+
+@pytest.fixture(scope="module")
+def processes(ray_cluster):
+    """Two processes besides this one, started once for the module."""
+    procs = [Process.remote() for _ in range(2)]
+    ray.get([p.pid.remote() for p in procs])
+    yield procs
+    for p in procs:
+        ray.kill(p)
+
+
+def _host(x):
+    return jax.tree.map(np.asarray, jax.device_get(x))
+
+
+# --------------------------------------------------------------------------- differential
+
+
+def _gradient(rng, kind):
+    if kind == "dense":
+        return (rng.integers(-8, 9, size=2).astype(np.float32),)
+    k = int(rng.integers(0, 4))
+    indices = rng.choice(4, size=k, replace=False).astype(np.int32)
+    return indices, rng.integers(-8, 9, size=(k, 2)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_random_program_from_three_processes_matches_in_process(processes, kind):
+    rng = np.random.default_rng(30 + (kind == "sparse"))
+    types = {
+        "dense": (optax_accum.ConditionalAccumulator, oray.ConditionalAccumulator, (2,)),
+        "sparse": (
+            optax_accum.SparseConditionalAccumulator,
+            oray.SparseConditionalAccumulator,
+            (4, 2),
+        ),
+    }
+    local_type, ray_type, shape = types[kind]
+    ref = local_type(np.float32, shape=shape)
+    acc = ray_type(np.float32, shape=shape, shared_name=f"differential-{kind}")
+    callers = [None, *processes]  # None: this process
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    ref_takes, ray_takes = [], []  # futures, in the order the takes were issued
+    seen = {"queued take": 0, "stale": 0, "accepted": 0}
+
+    def call(caller, method, *args, **kwargs):
+        if caller is None:
+            return _host(getattr(acc, method)(*args, **kwargs))
+        return ray.get(caller.call.remote(acc, method, *args, **kwargs))
+
+    def issue_take(caller, n):
+        ref_takes.append(pool.submit(ref.take_grad, n, WAIT))
+        if caller is None:
+            ray_takes.append(pool.submit(lambda: _host(acc.take_grad(n, WAIT))))
+        else:
+            ray_takes.append(pool.submit(ray.get, caller.call.remote(acc, "take_grad", n, WAIT)))
+
+    def settled():
+        """Both have the same step, count and waiting takes, and completed the same takes."""
+        ref_done = sum(f.done() for f in ref_takes)
+        wait_until(lambda: sum(f.done() for f in ray_takes) == ref_done, "takes completed")
+        wait_until(lambda: acc.num_waiting_takes() == ref.num_waiting_takes(), "takes queued")
+        assert (acc.global_step, acc.num_accumulated()) == (ref.global_step, ref.num_accumulated())
+
+    for _ in range(40):
+        caller = callers[int(rng.integers(3))]
+        op = rng.choice(["apply", "apply", "apply", "take", "step"])
+        if op == "take" and ref.num_waiting_takes() < 2:
+            n = int(rng.integers(1, 4))
+            issue_take(caller, n)
+            wait_until(lambda: ref_takes[-1].done() or ref.num_waiting_takes() > 0)
+            seen["queued take"] += not ref_takes[-1].done()
+        elif op == "step":
+            step = ref.global_step + int(rng.integers(0, 3))
+            ref.set_global_step(step)
+            call(caller, "set_global_step", step)
+        else:
+            grad = _gradient(rng, kind)
+            local_step = max(0, ref.global_step + int(rng.integers(-1, 2)))
+            expected = ref.apply_grad(*grad, local_step=local_step)
+            assert call(caller, "apply_grad", *grad, local_step=local_step) == expected
+            seen["accepted" if expected else "stale"] += 1
+        settled()
+    while ref.num_waiting_takes():  # finish the waiting takes
+        grad = _gradient(rng, kind)
+        ref.apply_grad(*grad, local_step=ref.global_step)
+        acc.apply_grad(*grad, local_step=acc.global_step)
+        settled()
+    assert len(ray_takes) >= 5 and min(seen.values()) >= 3, seen
+    for mine, theirs in zip(ref_takes, ray_takes, strict=True):
+        expected, got = _host(mine.result()), theirs.result()
+        jax.tree.map(np.testing.assert_array_equal, got, expected)
+    pool.shutdown()
+    acc.kill()
+
+
+# --------------------------------------------------------------------------- sharing
+
+
+def test_shared_name_finds_the_same_accumulator_and_checks_its_kind(processes):
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name="shared")
+    # Built by name in another process: the same accumulator.
+    assert ray.get(processes[1].build_and_apply.remote("shared", np.ones(2, np.float32)))
+    assert acc.num_accumulated() == 1
+    with pytest.raises(ValueError, match="shared_name 'shared' is already used by a Cond"):
+        oray.ConditionalAccumulator(np.float64, shape=(2,), shared_name="shared")
+    with pytest.raises(ValueError, match="already used"):
+        oray.SparseConditionalAccumulator(np.float32, shape=(2,), shared_name="shared")
+    with pytest.raises(ValueError, match="already used"):
+        oray.ConditionalAccumulator(np.float32, (2,), "shared", reduction_type="SUM")
+    acc.kill()
