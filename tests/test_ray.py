@@ -13,8 +13,10 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,6 +24,7 @@ ray = pytest.importorskip("ray")
 
 import optax_accum  # noqa: E402
 import optax_accum.ray as oray  # noqa: E402
+from optax_accum.ray import _payload  # noqa: E402
 
 WAIT = 60.0  # seconds: the bound on any wait that should finish promptly (Ray is slow here)
 
@@ -168,4 +171,111 @@ def test_shared_name_finds_the_same_accumulator_and_checks_its_kind(processes):
         oray.SparseConditionalAccumulator(np.float32, shape=(2,), shared_name="shared")
     with pytest.raises(ValueError, match="already used"):
         oray.ConditionalAccumulator(np.float32, (2,), "shared", reduction_type="SUM")
+    acc.kill()
+
+
+# --------------------------------------------------------------------------- payloads
+
+
+def test_payloads_travel_as_host_numpy_the_large_by_reference(monkeypatch):
+    array_type = type(jnp.zeros(1))
+    conversions, puts, put = [], [], ray.put
+
+    def counted(x):
+        conversions.append(x.shape)
+        return np.asarray(x)
+
+    def never_pickled(self):
+        raise AssertionError("a device array was pickled")
+
+    class CountingNumPy(types.ModuleType):
+        asarray = staticmethod(counted)
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    monkeypatch.setattr(_payload, "np", CountingNumPy("numpy"))  # counts conversions
+    monkeypatch.setattr(array_type, "__reduce__", never_pickled)
+    monkeypatch.setattr(_payload.ray, "put", lambda x: puts.append(x) or put(x))
+    big = (1 << 18,)  # 1 MB of float32
+    acc = oray.ConditionalAccumulator(np.float32, shape=big)
+    grad = jnp.arange(big[0], dtype=jnp.float32)
+    assert acc.apply_grad(grad, local_step=jnp.int32(0))
+    assert conversions == [big, ()]  # the gradient once, and the step
+    assert len(puts) == 1 and isinstance(puts[0], np.ndarray) and puts[0].shape == big
+    taken = acc.take_grad(jnp.int32(1), timeout=WAIT)
+    assert isinstance(taken, jax.Array) and taken.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(taken), np.arange(big[0], dtype=np.float32))
+    acc.kill()
+
+    conversions.clear(), puts.clear()
+    sparse = oray.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+    assert sparse.apply_grad(jnp.array([3, 1]), jnp.ones((2, 2), jnp.float32), (4, 2))
+    assert len(conversions) == 2 and not puts  # indices and values, small: inline
+    indices, values, shape = sparse.take_grad(1, timeout=WAIT)
+    assert isinstance(indices, jax.Array) and isinstance(values, jax.Array)
+    assert (indices.tolist(), values.tolist(), shape) == ([1, 3], [[1, 1], [1, 1]], (4, 2))
+    sparse.kill()
+
+
+def test_float64_comes_back_float64_as_in_process():
+    acc = oray.ConditionalAccumulator(np.float64, shape=(2,))
+    acc.apply_grad(np.array([1.0, 1e-12], np.float64))
+    taken = acc.take_grad(1, timeout=WAIT)
+    local = optax_accum.ConditionalAccumulator(np.float64, shape=(2,))
+    local.apply_grad(np.array([1.0, 1e-12], np.float64))
+    expected = local.take_grad(1)
+    assert taken.dtype == expected.dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(taken), np.asarray(expected))
+    acc.kill()
+
+
+# --------------------------------------------------------------------------- bad input
+
+DENSE_BAD = [
+    ((np.ones(2, np.float64),), {}),  # dtype
+    ((np.ones(3, np.float32),), {}),  # shape
+    ((np.ones(2, np.float32),), {"local_step": 1.5}),  # a float step
+    ((np.ones(2, np.float32),), {"local_step": "1"}),
+    ((np.ones(2, np.float32),), {"local_step": True}),
+    (("not an array",), {}),
+    ((np.array([object(), object()]),), {}),
+]
+SPARSE_BAD = [
+    (([0, 4], np.ones((2, 2), np.float32)), {}),  # row id out of range
+    (([0, -1], np.ones((2, 2), np.float32)), {}),
+    (([0, 1], np.ones((2, 2), np.float64)), {}),  # dtype
+    (([0, 1], np.ones((2, 3), np.float32)), {}),  # row shape
+    (([0.0, 1.0], np.ones((2, 2), np.float32)), {}),  # float ids
+    (([0, 1], np.ones((2, 2), np.float32)), {"local_step": 2.0}),
+]
+
+
+def _error(call):
+    try:
+        call()
+    except (TypeError, ValueError) as error:
+        return type(error), str(error)
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_bad_input_is_rejected_in_the_actor_with_the_in_process_error(kind):
+    if kind == "dense":
+        local = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+        acc, cases = oray.ConditionalAccumulator(np.float32, shape=(2,)), DENSE_BAD
+    else:
+        local = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+        acc, cases = oray.SparseConditionalAccumulator(np.float32, shape=(4, 2)), SPARSE_BAD
+    for args, kwargs in cases:
+        expected = _error(lambda: local.apply_grad(*args, **kwargs))  # noqa: B023
+        assert _error(lambda: acc.apply_grad(*args, **kwargs)) == expected  # noqa: B023
+    for bad in (0, 1.5, "2", np.ones(2, np.int32)):
+        expected = _error(lambda: local.take_grad(bad, timeout=1.0))  # noqa: B023
+        assert _error(lambda: acc.take_grad(bad, timeout=1.0)) == expected  # noqa: B023
+    with pytest.raises(ValueError, match="grace_period"):
+        acc.take_grad(1, timeout=1.0, grace_period=-1.0)
+    assert acc.num_accumulated() == 0 and acc.global_step == 0 and acc.num_waiting_takes() == 0
+    with pytest.raises(TimeoutError, match="nothing was taken"):
+        acc.take_grad(1, timeout=0.1)
     acc.kill()

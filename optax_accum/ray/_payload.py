@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import ray
 
+from optax_accum import _compat
+
 # Arrays of at least this many bytes go by reference (`ray.put`); smaller ones are
 # sent inline with the call, as Ray sends small arguments.
 BY_REFERENCE_BYTES = 100 * 1024
@@ -34,5 +36,9 @@ def send(x: Any) -> Any:
 
 def from_host(x: np.ndarray) -> jax.Array:
     """A taken array, returned as the in-process classes return it: a `jax.Array` on
-    the caller's default device."""
+    the caller's default device, of the same dtype (float64 too when jax_enable_x64
+    is off, as the in-process objects keep it)."""
+    if x.dtype == np.float64 and not jax.config.jax_enable_x64:
+        with _compat.enable_x64(True):
+            return jnp.asarray(x)
     return jnp.asarray(x)
