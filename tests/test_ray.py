@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import time
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -278,4 +280,110 @@ def test_bad_input_is_rejected_in_the_actor_with_the_in_process_error(kind):
     assert acc.num_accumulated() == 0 and acc.global_step == 0 and acc.num_waiting_takes() == 0
     with pytest.raises(TimeoutError, match="nothing was taken"):
         acc.take_grad(1, timeout=0.1)
+    acc.kill()
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _dead(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_worker_killed_mid_apply_loses_nothing_accepted_and_corrupts_nothing(tmp_path):
+    acc = oray.ConditionalAccumulator(np.float64, shape=(2,), reduction_type="SUM")
+    worker = Process.remote()
+    log = tmp_path / "acknowledged"
+    applying = worker.apply_until_killed.remote(acc, str(log), 50)
+    wait_until(lambda: log.exists() and len(log.read_text().split()) >= 5, "five applies")
+    os.kill(ray.get(worker.pid.remote()), signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(applying)
+    acknowledged = [int(i) for i in log.read_text().split()]
+    count = acc.num_accumulated()
+    total = np.asarray(acc.take_grad(count, timeout=WAIT))
+    # Gradient i is 2**i everywhere: the sum's bits name the gradients that were taken.
+    taken = [i for i in range(50) if int(total[0]) >> i & 1]
+    assert total[0] == total[1] == sum(2.0**i for i in taken)
+    assert taken == list(range(count))  # each once, in order, none half-applied
+    assert acknowledged == taken[: len(acknowledged)]
+    assert count - len(acknowledged) in (0, 1)  # at most the one in flight
+    acc.kill()
+
+
+def test_a_chief_killed_while_blocked_in_a_take_consumes_nothing(processes):
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name="orphaned-take")
+    chief = Process.remote()
+    pid = ray.get(chief.pid.remote())
+    blocked = chief.call.remote(acc, "take_grad", 2)
+    wait_until(lambda: acc.num_waiting_takes() == 1, "the chief's take queued")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: _dead(pid), "the chief's death")
+    # At once, before Ray has noticed: the actor checks the caller's process itself.
+    assert acc.apply_grad(np.full(2, 1.0, np.float32))
+    assert acc.apply_grad(np.full(2, 3.0, np.float32))
+    assert acc.global_step == 0 and acc.num_accumulated() == 2
+    assert acc.num_waiting_takes() == 0
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(blocked)
+    np.testing.assert_array_equal(np.asarray(acc.take_grad(2, timeout=WAIT)), [2.0, 2.0])
+    acc.kill()
+
+
+def test_if_the_actor_dies_blocked_and_later_calls_raise_promptly():
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,))
+    pid = acc._call("pid")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        blocked = [pool.submit(acc.take_grad, 1), pool.submit(acc.take_grad, 1, 1e6)]
+        wait_until(lambda: acc.num_waiting_takes() == 2, "two takes queued")
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for future in blocked:
+            with pytest.raises(oray.AccumulatorUnavailableError, match="died or is unreachable"):
+                future.result(timeout=WAIT)
+    assert time.monotonic() - start < WAIT
+    with pytest.raises(oray.AccumulatorUnavailableError):
+        acc.apply_grad(np.ones(2, np.float32))
+    with pytest.raises(oray.AccumulatorUnavailableError):
+        acc.num_accumulated()
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_restarted_actor_resumes_from_its_checkpoint(tmp_path, kind):
+    if kind == "dense":
+        make, shape = oray.ConditionalAccumulator, (2,)
+        local = optax_accum.ConditionalAccumulator(np.float32, shape=shape)
+    else:
+        make, shape = oray.SparseConditionalAccumulator, (4, 2)
+        local = optax_accum.SparseConditionalAccumulator(np.float32, shape=shape)
+    acc = make(np.float32, shape=shape, checkpoint_dir=tmp_path, max_restarts=1)
+    rng = np.random.default_rng(4)
+    for obj in (local, acc):
+        obj.set_global_step(2)
+    for step in (2, 2, 1, 3):  # the third is stale
+        grad = _gradient(rng, kind)
+        assert acc.apply_grad(*grad, local_step=step) == local.apply_grad(*grad, local_step=step)
+    jax.tree.map(
+        np.testing.assert_array_equal, _host(acc.take_grad(2, WAIT)), _host(local.take_grad(2))
+    )
+    for _ in range(3):  # pending at the crash
+        grad = _gradient(rng, kind)
+        assert acc.apply_grad(*grad, local_step=3) and local.apply_grad(*grad, local_step=3)
+    os.kill(acc._call("pid"), signal.SIGKILL)
+
+    def answers():
+        try:
+            return acc.num_accumulated() == 3
+        except oray.AccumulatorUnavailableError:
+            return False
+
+    wait_until(answers, "the restarted actor")
+    assert acc.global_step == local.global_step == 3
+    jax.tree.map(
+        np.testing.assert_array_equal, _host(acc.take_grad(3, WAIT)), _host(local.take_grad(3))
+    )
+    assert acc.global_step == 4
     acc.kill()
