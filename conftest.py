@@ -12,6 +12,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+# Ray (tests/test_ray*.py): the test cluster listens on the loopback address only. Ray
+# 2.60 maps 127.0.0.1 to the machine's address unless this is off; it is read when ray
+# is imported, and the cluster's workers inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -30,7 +35,7 @@ settings.load_profile("ci")
 # --------------------------------------------------------------------------- Ray
 # One local Ray cluster per test session (per pytest-xdist worker), started by the
 # first test that needs it (tests/test_ray*.py, optax_accum/ray's doctests) and shut
-# down at the end: 2 CPUs, bound to the loopback address, no dashboard.
+# down at the end: 2 CPUs, on the loopback address (see the top), no dashboard.
 
 import pathlib  # noqa: E402
 
@@ -48,7 +53,6 @@ def ray_cluster():
     ray.init(
         num_cpus=2,
         include_dashboard=False,
-        _node_ip_address="127.0.0.1",
         log_to_driver=False,
     )
     try:
