@@ -46,19 +46,27 @@ _ROOT = pathlib.Path(__file__).resolve().parent
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster whose workers import this checkout's optax_accum."""
+    """A local Ray cluster whose workers import this checkout's optax_accum (and the
+    test modules, whose remote functions they run)."""
     ray = pytest.importorskip("ray")
     path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), path) if p)
+    paths = (str(_ROOT), str(_ROOT / "tests"), path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
     )
+    import psutil  # a Ray dependency
+
+    started = psutil.Process().children(recursive=True)  # Ray's GCS, raylet, workers
     try:
         yield ray
     finally:
+        started += psutil.Process().children(recursive=True)
         ray.shutdown()
+        _, alive = psutil.wait_procs(set(started), timeout=30)
+        assert not alive, f"Ray left processes running: {alive}"
         if path is None:
             os.environ.pop("PYTHONPATH", None)
         else:
