@@ -9,6 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _cases import examples
 from _host import f32
@@ -362,31 +363,41 @@ def test_staging_buffers_are_reused(monkeypatch):
 
 
 class DenseModel:
-    """TF's rules in pure Python, with a float64 NumPy aggregate."""
+    """TF's rules in pure Python, with a float64 NumPy aggregate, and weights as the
+    functional accumulator's (MEAN divides by the weight sum once any came)."""
 
     def __init__(self, mean):
-        self.mean, self.step, self.count, self.total = mean, 0, 0, None
+        self.mean, self.step = mean, 0
+        self.count, self.total, self.weight_sum, self.weighted = 0, np.zeros(2), 0.0, False
 
-    def apply(self, grad, local_step):
+    def apply(self, grad, local_step, weight=None):
         if local_step < self.step:
             return False
-        self.total = grad.astype(np.float64) if self.total is None else self.total + grad
-        self.count += 1
+        w = 1.0 if weight is None else float(weight)
+        if w:
+            self.total = self.total + w * grad.astype(np.float64)
+        self.count, self.weight_sum = self.count + 1, self.weight_sum + w
+        self.weighted |= weight is not None
         return True
 
     def take(self, n):
         if self.count < n:
             return None
-        out = self.total / self.count if self.mean else self.total
-        self.step, self.count, self.total = self.step + 1, 0, None
+        divisor = (self.weight_sum or 1.0) if self.weighted else self.count
+        out = self.total / divisor if self.mean else self.total
+        self.step, self.count, self.total = self.step + 1, 0, np.zeros(2)
+        self.weight_sum, self.weighted = 0.0, False
         return out
 
+
+WEIGHTS = st.one_of(st.none(), st.sampled_from([0, 1, 2, 0.25, 3.5, np.float32(1.5), np.int64(4)]))
 
 ops = st.one_of(
     st.tuples(
         st.just("apply"),
         st.lists(st.integers(-8, 8), min_size=2, max_size=2),
         st.integers(0, 5),
+        WEIGHTS,
     ),
     st.tuples(st.just("take"), st.integers(1, 3)),
     st.tuples(st.just("set"), st.integers(0, 5)),
@@ -404,7 +415,8 @@ def test_matches_reference_model(mean, program):
     for op in program:
         if op[0] == "apply":
             grad = f32(op[1])
-            assert acc.apply_grad(grad, local_step=op[2]) == model.apply(grad, op[2])
+            got = acc.apply_grad(grad, local_step=op[2], weight=op[3])
+            assert got == model.apply(grad, op[2], op[3])
         elif op[0] == "take":
             want = model.take(op[1])
             if want is None:
@@ -422,6 +434,79 @@ def test_matches_reference_model(mean, program):
                 acc.apply_grad(f32([1, 2, 3]), local_step=op[1])
         assert (acc.global_step, acc.num_accumulated()) == (model.step, model.count)
         assert acc.num_waiting_takes() == 0
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize("reduction", ["MEAN", "SUM"])
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16, np.float32, np.float64])
+def test_weighted_aggregate_matches_float64(reduction, dtype):
+    # Nine gradients: the queue of pending gradients flushes twice and the take adds
+    # the last one; weights include 0 (on a NaN gradient, which must not leak).
+    rng = np.random.default_rng(0)
+    grads = rng.standard_normal((9, 5)).astype(dtype)
+    weights = [2, 0.5, 0, 3, 1, 1.25, 7, 0, 4]
+    grads[2, 1] = grads[7, 0] = np.nan
+    acc = optax_accum.ConditionalAccumulator(dtype, shape=(5,), reduction_type=reduction)
+    for grad, weight in zip(grads, weights, strict=True):
+        assert acc.apply_grad(grad, weight=weight)
+    got = take(acc, 9)
+    kept = np.array(weights) > 0
+    want = (np.array(weights)[kept, None] * grads[kept].astype(np.float64)).sum(0)
+    if reduction == "MEAN":
+        want = want / sum(weights)
+    assert got.dtype == np.dtype(dtype)
+    tol = {np.float16: 2e-3, jnp.bfloat16: 2e-2}.get(dtype, 1e-6)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_weights_match_the_functional_accumulator(reduction, dtype):
+    # Same formula and divisor; the last bit may differ: XLA fuses (and may contract
+    # into FMAs) the host's batched adds differently from the transform's one at a time.
+    rng = np.random.default_rng(1)
+    grads = rng.standard_normal((6, 7)).astype(dtype)
+    weights = [3, None, 0.5, 0, 1, 2.75]
+    tx = optax_accum.conditional_accumulator(optax.identity(), 6, reduction=reduction)
+    state = tx.init(jnp.zeros(7, dtype))
+    step = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+    for grad, weight in zip(grads, weights, strict=True):
+        updates, state = step(jnp.asarray(grad), state, weight)
+    acc = optax_accum.ConditionalAccumulator(dtype, shape=(7,), reduction_type=reduction)
+    for grad, weight in zip(grads, weights, strict=True):
+        acc.apply_grad(grad, weight=weight)
+    ulp = np.finfo(dtype).eps
+    np.testing.assert_allclose(take(acc, 6), np.asarray(updates), rtol=2 * ulp, atol=ulp)
+
+
+def test_weights_summing_to_zero_take_zeros_and_a_weight_zero_nan_never_leaks():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    acc.apply_grad(f32([np.nan, np.inf]), weight=0)
+    acc.apply_grad(jnp.array([np.nan, 1.0]), weight=0.0)  # a caller's JAX array
+    np.testing.assert_array_equal(take(acc, 2), [0, 0])
+    acc.apply_grad(f32([np.nan, 1]), local_step=1, weight=0)
+    acc.apply_grad(f32([4, 8]), local_step=1, weight=2)
+    np.testing.assert_array_equal(take(acc, 2), [4, 8])  # (0 + 2 * g) / 2
+    assert counters(acc) == (2, 0, 0, 0)
+
+
+def test_weight_zero_counts_towards_num_required_and_is_accepted():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(), reduction_type="SUM")
+    assert acc.apply_grad(f32(5), weight=0)
+    assert acc.num_accumulated() == 1
+    assert not acc.apply_grad(f32(5), local_step=-1, weight=2)  # stale: no weight added
+    acc.apply_grad(f32(3), weight=np.float64(2))
+    assert take(acc, 2) == 6
+    assert acc.num_dropped == 1
+
+
+def test_weights_may_be_numpy_and_jax_scalars():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=())
+    for weight in (np.int32(1), np.float16(2), np.array(3.0), jnp.asarray(2, jnp.int32)):
+        acc.apply_grad(f32(8), weight=weight)
+    assert take(acc, 4) == 8
 
 
 # --------------------------------------------------------------------------- faults
