@@ -275,11 +275,58 @@ def test_bad_input_is_rejected_in_the_actor_with_the_in_process_error(kind):
     for bad in (0, 1.5, "2", np.ones(2, np.int32)):
         expected = _error(lambda: local.take_grad(bad, timeout=1.0))  # noqa: B023
         assert _error(lambda: acc.take_grad(bad, timeout=1.0)) == expected  # noqa: B023
-    with pytest.raises(ValueError, match="grace_period"):
-        acc.take_grad(1, timeout=1.0, grace_period=-1.0)
+    for bad in (-1.0, float("nan"), "1"):
+        expected = _error(lambda: local.take_grad(1, timeout=1.0, grace_period=bad))  # noqa: B023
+        assert _error(lambda: acc.take_grad(1, 1.0, grace_period=bad)) == expected  # noqa: B023
+    for bad in (-1.0, float("inf"), "2", np.ones(2, np.float32)):
+        args = (np.ones(2, np.float32),) if kind == "dense" else ([0], np.ones((1, 2), np.float32))
+        expected = _error(lambda: local.apply_grad(*args, weight=bad))  # noqa: B023
+        assert _error(lambda: acc.apply_grad(*args, weight=bad)) == expected  # noqa: B023
     assert acc.num_accumulated() == 0 and acc.global_step == 0 and acc.num_waiting_takes() == 0
     with pytest.raises(TimeoutError, match="nothing was taken"):
         acc.take_grad(1, timeout=0.1)
+    acc.kill()
+
+
+# --------------------------------------------------------------------------- beyond TF
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_weights_and_a_grace_period_as_in_process(kind, processes):
+    """A weighted mean, and a take that waits 2 s past its quorum of 2 for a third
+    gradient (sent by another process), then drops a late one: as in-process."""
+    shape = (2,) if kind == "dense" else (4, 2)
+    local = (
+        optax_accum.ConditionalAccumulator
+        if kind == "dense"
+        else optax_accum.SparseConditionalAccumulator
+    )(np.float32, shape=shape)
+    acc = (oray.ConditionalAccumulator if kind == "dense" else oray.SparseConditionalAccumulator)(
+        np.float32, shape=shape, shared_name=f"weighted-{kind}"
+    )
+    rng = np.random.default_rng(7)
+    grads = [_gradient(rng, kind) for _ in range(4)]
+    weights = [100, 300, 600.5, 50]
+    answers = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for obj, remote in ((local, False), (acc, True)):
+            taking = pool.submit(obj.take_grad, 2, WAIT, grace_period=2.0)
+            wait_until(lambda: obj.num_waiting_takes() == 1, "the take queued")  # noqa: B023
+            accepted = [
+                obj.apply_grad(*g, local_step=0, weight=w)
+                for g, w in zip(grads[:2], weights[:2], strict=True)
+            ]
+            if remote:  # the third from another process
+                call = processes[0].call.remote(obj, "apply_grad", *grads[2], weight=weights[2])
+                accepted.append(ray.get(call))
+            else:
+                accepted.append(obj.apply_grad(*grads[2], local_step=0, weight=weights[2]))
+            assert not taking.done()  # in its grace window
+            answers.append(_host(taking.result(WAIT)))
+            accepted.append(obj.apply_grad(*grads[3], local_step=0, weight=weights[3]))
+            assert accepted == [True, True, True, False]
+            assert obj.global_step == 1 and obj.num_accumulated() == 0
+    jax.tree.map(np.testing.assert_array_equal, answers[1], answers[0])
     acc.kill()
 
 

@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import enum
 import functools
-import math
 import os
 import threading
 import time
@@ -123,18 +122,6 @@ class _Ticket:
     def set_state(self, state: _State) -> None:
         self.state = state
         self.wake.set()
-
-
-def check_grace_period(grace_period: Any) -> float:
-    """A grace window in seconds: 0.0 for None."""
-    if grace_period is None:
-        return 0.0
-    is_number = isinstance(grace_period, int | float | np.integer | np.floating)
-    if isinstance(grace_period, bool) or not is_number:
-        raise TypeError(f"grace_period must be None or a number of seconds, got {grace_period!r}")
-    if not (grace_period >= 0 and math.isfinite(grace_period)):
-        raise ValueError(f"grace_period must be None or finite and >= 0, got {grace_period!r}")
-    return float(grace_period)
 
 
 class AccumulatorActor:
@@ -242,7 +229,7 @@ class AccumulatorActor:
         the answer as host NumPy."""
         num_required = _args.check_num_required(num_required)
         timeout = _args.check_timeout(timeout)
-        grace = check_grace_period(grace_period)
+        grace = _args.check_grace_period(grace_period) or 0.0
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = _Ticket(num_required, deadline, grace, caller)
         with self._lock:
