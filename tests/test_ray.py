@@ -290,15 +290,9 @@ def test_weights_and_a_grace_period_as_in_process(processes):
     """A weighted mean, and a take that waits 2 s past its quorum of 2 for a third
     gradient (sent by another process), then drops a late one: as in-process. (The
     sparse object: its weights are per row; the dense one's take the same path.)"""
-    shape = (2,) if kind == "dense" else (4, 2)
-    local = (
-        optax_accum.ConditionalAccumulator
-        if kind == "dense"
-        else optax_accum.SparseConditionalAccumulator
-    )(np.float32, shape=shape)
-    acc = (oray.ConditionalAccumulator if kind == "dense" else oray.SparseConditionalAccumulator)(
-        np.float32, shape=shape, shared_name=f"weighted-{kind}"
-    )
+    kind = "sparse"
+    local = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2))
+    acc = oray.SparseConditionalAccumulator(np.float32, shape=(4, 2), shared_name="weighted")
     rng = np.random.default_rng(7)
     grads = [_gradient(rng, kind) for _ in range(4)]
     weights = [100, 300, 600.5, 50]
