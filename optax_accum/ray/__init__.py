@@ -27,12 +27,15 @@ nothing (the actor hands a batch over only to a live caller: checked exactly on
 the actor's machine, by a 10 s lease from other machines); if the actor dies, every
 blocked or later call raises `AccumulatorUnavailableError`; with `checkpoint_dir` and
 `max_restarts`, a restarted actor resumes with its global step and pending gradients.
+
+Modules: `_handle` (what both handles share: the actor, calls, takes), `_dense` and
+`_sparse` (the two handles), `_actor` (the actor: the in-process object and the queue
+of takes), `_callers` (whether a take's caller is alive), `_checkpoint` (the actor's
+checkpoint), `_payload` (how arrays travel).
 """
 
-from optax_accum.ray._client import (
-    AccumulatorUnavailableError,
-    ConditionalAccumulator,
-    SparseConditionalAccumulator,
-)
+from optax_accum.ray._dense import ConditionalAccumulator
+from optax_accum.ray._handle import AccumulatorUnavailableError
+from optax_accum.ray._sparse import SparseConditionalAccumulator
 
 __all__ = ["AccumulatorUnavailableError", "ConditionalAccumulator", "SparseConditionalAccumulator"]
