@@ -130,8 +130,8 @@ class RayAccumulator:
         ref = self._actor.take.options(concurrency_group="takes").remote(
             ticket,
             _payload.to_host(num_required),
-            timeout,
-            grace_period,
+            _payload.to_host(timeout),
+            _payload.to_host(grace_period),
             Caller.this_process(),
         )
         limit = _answer_limit(timeout, grace_period)
