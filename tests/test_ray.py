@@ -176,6 +176,24 @@ def test_shared_name_finds_the_same_accumulator_and_checks_its_kind(processes):
     acc.kill()
 
 
+def test_cancel_waiting_takes_releases_the_takes_of_every_process(processes):
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name="cancelled")
+    assert acc.apply_grad(np.ones(2, np.float32))
+    elsewhere = processes[0].call.remote(acc, "take_grad", 3)
+    wait_until(lambda: acc.num_waiting_takes() == 1, "the other process's take queued")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        here = pool.submit(acc.take_grad, 2)
+        wait_until(lambda: acc.num_waiting_takes() == 2, "both takes queued")
+        assert acc.cancel_waiting_takes() == 2
+        with pytest.raises(concurrent.futures.CancelledError, match=r"take_grad\(2\) was cancel"):
+            here.result(WAIT)
+    with pytest.raises(concurrent.futures.CancelledError, match=r"take_grad\(3\) was cancel"):
+        ray.get(elsewhere)
+    assert acc.num_accumulated() == 1 and acc.global_step == 0  # nothing consumed
+    np.testing.assert_array_equal(np.asarray(acc.take_grad(1, WAIT)), [1.0, 1.0])
+    acc.kill()
+
+
 # --------------------------------------------------------------------------- payloads
 
 
