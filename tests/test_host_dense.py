@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from _cases import examples
-from _host import f32
+from _host import f32, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -502,6 +502,28 @@ def test_weight_zero_counts_towards_num_required_and_is_accepted():
     assert acc.num_dropped == 1
 
 
+@pytest.mark.parametrize("num_required", [2, 4, 6])
+def test_a_waiting_take_gets_the_same_answer_as_a_late_one(pool, num_required):
+    # With a take waiting, the gradients before its last are added as soon as they come
+    # (the hand-off then adds one and divides); with none, they queue. Same answer.
+    rng = np.random.default_rng(num_required)
+    grads = rng.standard_normal((num_required, 3)).astype(np.float32)
+    weights = rng.integers(0, 4, num_required).tolist()
+    answers = []
+    for waiting in (True, False):
+        acc = optax_accum.ConditionalAccumulator(np.float32, shape=(3,))
+        future = pool.submit(acc.take_grad, num_required, T) if waiting else None
+        if waiting:
+            wait_until(lambda acc=acc: acc.num_waiting_takes() == 1)
+        for grad, weight in zip(grads, weights, strict=True):
+            acc.apply_grad(grad, weight=weight)
+        answers.append(np.asarray(future.result(T) if waiting else take(acc, num_required)))
+    kept = np.array(weights, float)
+    want = (kept[:, None] * grads).sum(0) / (kept.sum() or 1)
+    np.testing.assert_allclose(answers[0], want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(answers[1], want, rtol=1e-6, atol=1e-7)
+
+
 def test_weights_may_be_numpy_and_jax_scalars():
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=())
     for weight in (np.int32(1), np.float16(2), np.array(3.0), jnp.asarray(2, jnp.int32)):
@@ -536,14 +558,14 @@ def test_a_deleted_jax_gradient_is_rejected_and_changes_nothing():
     np.testing.assert_array_equal(take(acc), [1, 2])
 
 
-def _fail_once(monkeypatch, module, names):
-    """Makes the kernels `names` of `module` raise on their next call, once."""
+def _fail_once(monkeypatch, module, names, times=1):
+    """Makes the kernels `names` of `module` raise on their next `times` calls."""
     calls = []
     for name in names:
         real = getattr(module, name)
 
         def failing(*args, _real=real, **kwargs):
-            if not calls:
+            if len(calls) < times:
                 calls.append(1)
                 raise RuntimeError("device lost")
             return _real(*args, **kwargs)
@@ -559,16 +581,51 @@ def test_a_take_whose_reduction_fails_leaves_a_consistent_usable_accumulator(
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type=reduction)
     acc.apply_grad(f32([1, 1]))
     acc.apply_grad(f32([3, 3]))
-    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"])
+    # Dispatched as the batch is handed over, the reduction fails; the taker meets the
+    # failure again and raises it.
+    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"], times=2)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.take_grad(2, timeout=T)
-    assert calls
+    assert len(calls) == 2
     # The take took its gradients and failed with them: the count went with them.
     assert counters(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
     acc.apply_grad(f32([10, 10]), local_step=1)
     acc.apply_grad(f32([20, 20]), local_step=1)
     want = 15.0 if reduction == "MEAN" else 30.0
     np.testing.assert_array_equal(take(acc, 2), [want, want])
+
+
+def test_a_reduction_that_fails_once_at_the_hand_off_is_retried_by_the_taker(monkeypatch):
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    acc.apply_grad(f32([1, 1]))
+    acc.apply_grad(f32([3, 3]))
+    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"])
+    np.testing.assert_array_equal(take(acc, 2), [2, 2])
+    assert calls and counters(acc) == (1, 0, 0, 0)
+
+
+def test_a_hand_off_interrupted_after_its_answer_was_dispatched(pool, monkeypatch):
+    # The answer's kernel consumed the aggregate, and the interrupt lost its result:
+    # the take completes with a clear error, and the accumulator goes on.
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    real = _dense.DenseCore.seal
+
+    def interrupted(self, batch):
+        self._answer(batch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_dense.DenseCore, "seal", interrupted)
+    future = pool.submit(acc.take_grad, 2, T)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    acc.apply_grad(f32([1, 1]))  # one short: added at once, the aggregate exists
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(f32([3, 3]))
+    with pytest.raises(RuntimeError, match="interrupted at its hand-off"):
+        future.result(timeout=T)
+    monkeypatch.setattr(_dense.DenseCore, "seal", real)
+    assert counters(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
+    acc.apply_grad(f32([5, 5]), local_step=1)
+    np.testing.assert_array_equal(take(acc), [5, 5])
 
 
 def test_an_apply_whose_add_fails_changes_nothing(monkeypatch):

@@ -117,9 +117,9 @@ class Core:
             if not head.due():  # in its grace period (interrupted: its thread is woken)
                 return
             step, empty = self.global_step, self.new_batch()
-            self.seal(batch)
             self.takes.pop_head()
             self.batch, self.global_step = empty, step + 1  # one step: no interruption inside
+            self.seal(batch)  # the batch is the take's alone now
             head.hand(batch)
         except BaseException:  # e.g. KeyboardInterrupt: finish or undo, never half
             if self.batch is batch:  # not handed: put the take back, let its thread serve

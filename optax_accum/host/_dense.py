@@ -4,7 +4,12 @@ The aggregate lives on a JAX device and is updated by jitted kernels that donate
 buffer; up to `_MAX_PENDING` accepted gradients wait to be added in one pass (which
 reads and writes the aggregate once per batch instead of once per gradient, with the
 rounding of one add at a time), and the take adds the rest and divides in the same
-pass. Nothing recompiles for same-shape gradients.
+pass. That pass is dispatched by the thread that hands the batch to the take (under
+the lock, as the last gradient comes), so the device is on it before the taker wakes;
+and while a take waits, the queued gradients are added as soon as it is one short,
+so the hand-off is left with one gradient to add. Weights travel as one float32
+vector per kernel (or none), so each kernel compiles in two forms. Nothing recompiles
+for same-shape gradients.
 """
 
 from __future__ import annotations
@@ -99,7 +104,15 @@ class DenseBatch(Batch):
     float32 sum of the accepted gradients' weights (1 each without one), and `weighted`
     whether any came with a weight."""
 
-    __slots__ = ("aggregate", "grad_shape", "in_flight", "pending", "weight_sum", "weighted")
+    __slots__ = (
+        "aggregate",
+        "answer",
+        "grad_shape",
+        "in_flight",
+        "pending",
+        "weight_sum",
+        "weighted",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -109,6 +122,7 @@ class DenseBatch(Batch):
         self.grad_shape: tuple[int, ...] | None = None
         self.weight_sum = 0.0
         self.weighted = False
+        self.answer: jax.Array | None = None  # the take's result, once dispatched
 
 
 class DenseCore(Core):
@@ -177,7 +191,7 @@ class DenseCore(Core):
         weighted = batch.weighted or weight is not None
         tail = (shape, count, weight_sum, weighted)
         try:
-            if pending and (flush or len(pending) == _MAX_PENDING):
+            if pending and (flush or len(pending) == _MAX_PENDING or self._one_short(count)):
                 grads = tuple(g for g, _, _ in pending)
                 weights = _args.kernel_weights([w for _, _, w in pending])
                 in_flight = tuple(b for _, b, _ in pending if b is not None)
@@ -223,24 +237,48 @@ class DenseCore(Core):
         # float32, as the weight sum (exact to 2**24 gradients): one form to compile
         return None if batch.count == 1 else np.float32(batch.count)
 
-    def reduce(self, batch: DenseBatch) -> jax.Array:
-        buffers = (*batch.in_flight, *(b for _, b, _ in batch.pending))
+    def _one_short(self, count: int) -> bool:
+        """Whether a waiting take needs just one gradient more than `count`: the queued
+        gradients are then added at once, so that its hand-off is left with one pass,
+        adding the last gradient and dividing (lock held)."""
+        head = self.takes.head()
+        return head is not None and count == head.num_required - 1
+
+    def seal(self, batch: DenseBatch) -> None:
+        """Dispatches the take's answer as the batch is handed over (lock held), so the
+        device starts on it before the taker's thread wakes."""
+        try:
+            with self.device.precision():
+                batch.answer = self._answer(batch)
+        except Exception:  # left for `reduce` to meet again, in the taker's thread
+            return
+
+    def _answer(self, batch: DenseBatch) -> jax.Array:
+        """Dispatches the take's result: the pending gradients added, then divided."""
         aggregate, pending = self._adopted(batch)
+        if aggregate is not None and aggregate.is_deleted():  # see Core.serve
+            raise RuntimeError(
+                "take_grad was interrupted at its hand-off after its answer was dispatched "
+                "and before it was kept; the take completed and its gradients are lost"
+            )
         divisor = self._divisor(batch)
         if aggregate is None and not pending:  # every gradient weighed 0
             return self.device.own(np.zeros(batch.grad_shape, self.dtype))
         if not pending and divisor is None and aggregate.dtype == self.dtype:
-            result = aggregate  # nothing to add, divide or cast
-        else:
-            finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
-            result = finish(
-                aggregate,
-                tuple(g for g, _, _ in pending),
-                _args.kernel_weights([w for _, _, w in pending]),
-                divisor,
-                acc_dtype=self.acc_dtype,
-                dtype=self.dtype,
-            )
+            return aggregate  # nothing to add, divide or cast
+        finish = _finish_in_place if self.acc_dtype == self.dtype else _finish_copy
+        return finish(
+            aggregate,
+            tuple(g for g, _, _ in pending),
+            _args.kernel_weights([w for _, _, w in pending]),
+            divisor,
+            acc_dtype=self.acc_dtype,
+            dtype=self.dtype,
+        )
+
+    def reduce(self, batch: DenseBatch) -> jax.Array:
+        buffers = (*batch.in_flight, *(b for _, b, _ in batch.pending))
+        result = batch.answer if batch.answer is not None else self._answer(batch)
         jax.block_until_ready(result)  # the staging buffers it read are free now
         self.device.recycle(buffers)
         return result
@@ -272,7 +310,8 @@ class ConditionalAccumulator(HostAccumulator):
 
     The aggregate is a JAX array on the default device, updated in place by jitted,
     buffer-donating adds (up to four accepted gradients wait to be added in one pass;
-    the take adds the rest and divides in the same pass, in the taker's thread);
+    the take adds the rest and divides in the same pass, dispatched as the last
+    gradient comes);
     `take_grad` returns a `jax.Array` of `dtype`. NumPy gradients are copied at once,
     so actors may reuse their buffers; on a CPU device the copies go to a pool of
     aligned host buffers that is reused, so memory holds the aggregate plus up to

@@ -74,15 +74,16 @@ class SlotHints:
         self,
         slot_ids: np.ndarray,
         row_counts: np.ndarray,
-        row_weights: np.ndarray,
+        row_weights: np.ndarray | None,
         unique: np.ndarray,
         inverse: np.ndarray | None,
         weight: float | None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
         """A batch's `slot_ids`, `row_counts` and `row_weights` (float32) with the sorted
         `unique` row ids of one gradient of `weight` (None: 1) added, as new arrays (row
         ids it has no slot for get the next ones), and the slot of each of the
-        gradient's values (`inverse` as `unique_ids` returns it)."""
+        gradient's values (`inverse` as `unique_ids` returns it). `row_weights` is None
+        while no gradient of the batch had a weight (they are then the counts)."""
         n = slot_ids.shape[0]
         slots = self.slots(unique, slot_ids)
         new = slots < 0
@@ -91,8 +92,12 @@ class SlotHints:
         ids = np.concatenate([slot_ids, unique[new]])
         counts = np.concatenate([row_counts, np.zeros(added, np.int64)])
         counts[slots] += 1
-        weights = np.concatenate([row_weights, np.zeros(added, np.float32)])
-        weights[slots] += np.float32(1 if weight is None else weight)  # float32, as in jit
+        weights = row_weights
+        if weight is not None and weights is None:  # the first weight: so far, the counts
+            weights = row_counts.astype(np.float32)
+        if weights is not None:
+            weights = np.concatenate([weights, np.zeros(added, np.float32)])
+            weights[slots] += np.float32(1 if weight is None else weight)  # as in jit
         self.remember(unique[new], slots[new], ids)
         slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
         return ids, counts, weights, slot_of

@@ -123,9 +123,10 @@ class SparseBatch(Batch):
     """Rows since the last take. `rows` (None until the first row) is the device buffer
     of `rows.shape[0]` slots, of which the first `len(slot_ids)` are used, in arrival
     order: `slot_ids[s]` is the row id in slot `s`, `row_counts[s]` how many accepted
-    gradients touched it and `row_weights[s]` the float32 sum of their weights (MEAN
-    divides by the count, or by the weight sum once any gradient came with a weight:
-    `weighted`). `values_shape` is fixed by the first gradient until the take."""
+    gradients touched it and `row_weights[s]` the float32 sum of their weights, kept
+    once a gradient with rows came with a weight (None before). MEAN divides by the
+    count, or then by the weight sum. `values_shape` is fixed by the first gradient
+    until the take."""
 
     __slots__ = (
         "answer",
@@ -136,7 +137,6 @@ class SparseBatch(Batch):
         "slot_ids",
         "unsettled",
         "values_shape",
-        "weighted",
     )
 
     def __init__(self) -> None:
@@ -145,8 +145,7 @@ class SparseBatch(Batch):
         self.values_shape: tuple[int, ...] | None = None
         self.slot_ids = np.zeros(0, np.int64)
         self.row_counts = np.zeros(0, np.int64)
-        self.row_weights = np.zeros(0, np.float32)
-        self.weighted = False
+        self.row_weights: np.ndarray | None = None  # while unweighted: the counts
         self.unsettled = 0  # scatters dispatched since the last wait
         self.in_flight: tuple[np.ndarray, ...] = ()  # staging buffers scatters may still read
         self.answer: tuple | None = None  # (indices, rows, n) once the take's gather is dispatched
@@ -217,22 +216,18 @@ class SparseCore(Core):
     ) -> None:
         """Adds one accepted gradient's rows to `batch` (lock held, in the accumulator's
         precision), changing it in one assignment once the kernel is dispatched."""
-        unique, _, values, nnz, weight = grad
+        unique, _, values, nnz, _ = grad
         values_shape = (0, *values.shape[1:])
-        weighted = batch.weighted or weight is not None
         if nnz == 0:
-            batch.values_shape, batch.weighted, batch.count = (
-                values_shape,
-                weighted,
-                batch.count + 1,
-            )
+            batch.values_shape, batch.count = values_shape, batch.count + 1
             return
         count, new, settled = batch.count + 1, None, ()
         try:
             if self._becomes_buffer(batch, grad, ours):  # no kernel
                 self.hints.remember(unique, np.arange(nnz, dtype=np.int32), unique)
-                ones = np.ones(nnz, np.int64), np.ones(nnz, np.float32)
-                new = (values, unique, *ones, values_shape, 0, batch.in_flight)
+                weights = None if grad.weight is None else np.ones(nnz, np.float32)
+                first = (values, unique, np.ones(nnz, np.int64), weights)
+                new = (*first, values_shape, 0, batch.in_flight)
             else:
                 out, slot_ids, counts, weights, unsettled, waited = self._scatter(batch, grad)
                 in_flight = batch.in_flight
@@ -240,10 +235,10 @@ class SparseCore(Core):
                     settled, in_flight = in_flight, ()
                 in_flight += (staged,) if staged is not None else ()
                 new = (out, slot_ids, counts, weights, values_shape, unsettled, in_flight)
-            self._commit(batch, (*new, weighted, count))
+            self._commit(batch, (*new, count))
         except BaseException:  # finish an update whose kernel ran, or drop a consumed batch
             if new is not None and batch.count != count:
-                self._commit(batch, (*new, weighted, count))
+                self._commit(batch, (*new, count))
             self.discard_if_consumed(batch, batch.rows)
             raise
         self.device.recycle(settled)
@@ -323,7 +318,6 @@ class SparseCore(Core):
             batch.values_shape,
             batch.unsettled,
             batch.in_flight,
-            batch.weighted,
             batch.count,
         ) = new
 
@@ -378,11 +372,12 @@ class SparseCore(Core):
         """What MEAN divides each row of the answer by: the number of gradients that
         touched it (int64), or with weights their weight sum (float32; 1 where it is 0,
         the row's sum being 0 too)."""
-        per_slot = batch.row_weights if batch.weighted else batch.row_counts
+        weighted = batch.row_weights is not None  # else every row's weights are its count
+        per_slot = batch.row_weights if weighted else batch.row_counts
         divisors = per_slot[order]
         if segments is not None:  # a row id in several slots: their counts add up
             divisors = np.bincount(segments, weights=divisors).astype(per_slot.dtype)
-        if batch.weighted:
+        if weighted:
             divisors = np.where(divisors > 0, divisors, np.float32(1))
         return divisors
 
