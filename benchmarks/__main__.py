@@ -80,6 +80,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Are the host `ConditionalAccumulator` objects at least as fast as TF's own? "
         "(TF's side only with `--tf-python`)",
     ),
+    "ray_host": Benchmark(
+        "benchmarks.ray_host",
+        "Does `optax_accum.ray`'s accumulator take four worker processes' gradients as fast "
+        "as a bare Ray actor that only sums them?",
+    ),
 }
 
 

@@ -33,6 +33,13 @@ EARLY = [
     "tests/test_demo.py::",
     "tests/test_porting.py::",
     "tests/test_docs.py::test_sphinx",
+    # A Ray cluster per pytest-xdist worker (conftest.py's ray_cluster), started by the
+    # first of these; each test starts Ray actors (a process each, seconds).
+    "tests/test_ray.py::test_four_asynchronous_workers",
+    "tests/test_ray.py::test_random_program_from_three_processes",
+    "tests/test_ray.py::test_payloads_travel",
+    "tests/test_ray.py::test_a_",
+    "tests/test_ray.py::",
 ]
 
 

@@ -51,6 +51,7 @@ def test_one_command_writes_every_benchmarks_report(tmp_path):
     assert {"per leaf, float32", "pack", "agn(sgd, 4, axis_name)"} <= cases["collectives"]
     assert {"dense apply, 1 thread", "sparse take, 4 threads"} <= cases["host"]
     assert cases["sparse"] == {"10,000 x 64"}
+    assert cases["ray_host"] == {"64 KB, 4 workers", "1 MB, 4 workers"}
     modes = ("explicit", "auto")
     assert cases["sharded"] == {
         f"64K {m} {p}" for m in modes for p in ("apply_gradients", "canonical")
