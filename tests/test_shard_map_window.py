@@ -153,7 +153,36 @@ def _apply_gradients(tx, case, params, state, data, vary):
     return optax_accum.apply_gradients(tx, grads, state, params, **_extra(case, data))
 
 
+def _train_state(tx, case, params, state, data, vary):
+    """`optax_accum.TrainState.apply_gradients`, on a state made of the step's inputs."""
+    grads = _grads_of(case)(vary(params), data)
+    ts = optax_accum.TrainState(
+        step=jnp.zeros((), jnp.int32), apply_fn=None, params=params, tx=tx, opt_state=state
+    )
+    ts = ts.apply_gradients(grads=grads, **_extra(case, data))
+    return ts.params, ts.opt_state
+
+
+def _nnx_optimizer(tx, case, params, state, data, vary):
+    """`optax_accum.NNXOptimizer.update` on a model holding the params, its state
+    replaced by the step's input (as `nnx.merge` of a split optimizer would give)."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, tree: dict):
+            self.w, self.b = nnx.Param(tree["w"]), nnx.Param(tree["b"])
+
+    model = Model(params)
+    optimizer = optax_accum.NNXOptimizer(model, tx, wrt=nnx.Param)
+    nnx.update(optimizer.opt_state, nnx.state(state))
+    optimizer.update(model, Model(_grads_of(case)(vary(params), data)), **_extra(case, data))
+    # The optimizer holds the params' dicts as nnx States: the input's structure again.
+    new_state = jax.tree.leaves(nnx.as_pure(optimizer.opt_state))
+    return {"w": model.w[...], "b": model.b[...]}, jax.tree.structure(state).unflatten(new_state)
+
+
 STEP_SHAPES = {"canonical": _canonical, "apply_gradients": _apply_gradients}
+FLAX_SHAPES = {"train_state": _train_state, "nnx_optimizer": _nnx_optimizer}
 
 
 def _local(tree: Any) -> Any:
@@ -261,7 +290,17 @@ def _check_window(found: list[Collective], case: Case) -> None:
 @pytest.mark.parametrize("shape", list(STEP_SHAPES))
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_one_reduction_per_window_and_the_values_of_one_device(case, shape):
-    step = STEP_SHAPES[shape]
+    _check_step(case, STEP_SHAPES[shape])
+
+
+@pytest.mark.flax
+@pytest.mark.parametrize("shape", list(FLAX_SHAPES))
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[CASES[0].name, CASES[3].name])
+def test_flax_steps_reduce_once_per_window(case, shape):
+    _check_step(case, FLAX_SHAPES[shape])
+
+
+def _check_step(case: Case, step: Callable) -> None:
     fn, state = _sharded(case, step)
     params, data = _params(case), _data()
     if case.name == "agn":
