@@ -88,7 +88,7 @@ def _data() -> dict:
 class Case:
     name: str
     make: Callable[[], optax.GradientTransformation]
-    sparse: bool = False  # params hold an embedding table "e" fed IndexedSlices
+    sparse: bool = False  # a sparse accumulator; params hold a table "e" (64 x 4)
     tagged: bool = True  # takes local_step and weight
 
 
@@ -97,7 +97,7 @@ def _ca(inner: Any, k: int = 2 * N) -> Any:
 
 
 def _sparse(sparse: dict) -> Any:
-    inner = optax.chain(optax_accum.densify(), adam(0.1))
+    inner = optax_accum.sparse_sgd(0.1)
     return optax_accum.sparse_conditional_accumulator(
         inner, 2 * N, capacity=4 * N, sparse=sparse, axis_name="data"
     )
@@ -191,6 +191,7 @@ def _local(tree: Any) -> Any:
 
 
 def _example(case: Case) -> dict:
+    """One replica's inputs, to trace the gradients' shapes with."""
     data = {k: v[0, 0] for k, v in _data().items() if k not in ("lag",)}
     data["tag"] = np.int32(0)
     return jax.tree.map(jnp.asarray, data)
@@ -317,6 +318,8 @@ def _check_step(case: Case, step: Callable) -> None:
         steps.append(at(t, data))
         params, state = fn(params, state, steps[-1])
     assert int(optax_accum.global_step(state)) >= 2, "the data must exercise the release"
+    if case.tagged:  # the stale gradients were offered and dropped
+        assert int(state.num_dropped) > 0
     tags = np.stack([np.asarray(inputs["tag"]) for inputs in steps])
     expected = _one_device(case.name, tags.astype(np.int32).tobytes())
     got = params if case.name == "agn" else jax.tree.map(lambda p: jnp.stack([p] * N), params)
