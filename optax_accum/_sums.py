@@ -120,8 +120,8 @@ def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Arr
     (cast) without a weight. A zero weight gives zeros, even for a NaN."""
     if weight is None:
         return values.astype(dtype)
-    # At least float32 (jnp.promote_types would refuse float64 under strict promotion).
-    compute = jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+    # Not `jnp.promote_types`: strict dtype promotion rejects float64 with float32.
+    compute = dtype if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
     product = values.astype(compute) * weight.astype(compute)
     return zeros_unless(weight > 0, product).astype(dtype)
 

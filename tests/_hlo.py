@@ -1,5 +1,8 @@
 """Reading compiled XLA:CPU HLO text, for the structural guards (no clocks involved).
 
+The computations and collectives are read by `optax_accum.demo.hlo`, which the demo
+and the benchmarks count with too; this module adds the instructions.
+
 Only the instruction grammar is relied on (`%name = type[dims] opcode(operands)`),
 which reads the same from jax 0.8 to 0.12; opcodes are compared as parsed names,
 never as substrings of a line.
@@ -11,13 +14,15 @@ import collections
 import dataclasses
 import re
 
+import jax
 import numpy as np
+
+from optax_accum.demo.hlo import Collective, called, computations
+from optax_accum.demo.hlo import collectives as _collectives
 
 _ASSIGN = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*")
 _ARRAY = re.compile(r"\w+\[([^\]]*)\]\S*")
 _OPCODE = re.compile(r"\s*([\w-]+)\((.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s")
-_CALLS = re.compile(r"\b(?:calls|to_apply)=\{?(%[\w.,\s%-]+)\}?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,30 +63,6 @@ def _instruction(line: str) -> Op | None:
     return Op(assign.group(1), result, size, op.group(1), op.group(2))
 
 
-def _computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
-    comps: dict[str, list[str]] = {}
-    entry = current = None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header and line.rstrip().endswith("{"):
-            current = header.group(2)
-            comps[current] = []
-            if header.group(1):
-                entry = current
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    assert entry is not None, "no ENTRY computation in the HLO"
-    return entry, comps
-
-
-def _called(line: str) -> list[str]:
-    """Computations an instruction calls on every run of it: fusions and reductions,
-    not the bodies of loops nor the branches of conditionals."""
-    return [name for group in _CALLS.findall(line) for name in re.findall(r"%([\w.-]+)", group)]
-
-
 def every_call(hlo: str) -> list[Op]:
     """The instructions that run on every call of a compiled program.
 
@@ -89,7 +70,7 @@ def every_call(hlo: str) -> list[Op]:
     loops and the branches of conditionals: on a held step of a holding transform,
     the release lives in those.
     """
-    entry, comps = _computations(hlo)
+    entry, comps = computations(hlo)
     seen, todo, ops = set(), [entry], []
     while todo:
         name = todo.pop()
@@ -100,7 +81,7 @@ def every_call(hlo: str) -> list[Op]:
             op = _instruction(line)
             if op is not None:
                 ops.append(op)
-                todo += _called(line)
+                todo += called(line)
     return ops
 
 
@@ -112,3 +93,11 @@ def instructions(hlo: str) -> list[Op]:
 def full_size_counts(ops: list[Op]) -> collections.Counter:
     """How many instructions of each opcode have a result of more than one element."""
     return collections.Counter(op.opcode for op in ops if op.size > 1)
+
+
+def collectives(compiled_or_text: jax.stages.Compiled | str) -> list[Collective]:
+    """Each collective of a compiled program (or its `as_text()`), in program order:
+    its opcode, the bytes of its result, and whether it runs on every call (ENTRY and
+    what ENTRY calls unconditionally) or only inside a loop body or a branch."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    return _collectives(text)

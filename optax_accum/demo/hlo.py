@@ -1,14 +1,17 @@
-"""Counting the collectives in a compiled XLA program, and the bytes they carry.
+"""Reading compiled XLA programs: their computations, and the collectives they run.
 
 The demo's all-reduce column (data_parallel.py) comes from here, and so do the
-figures of `benchmarks/collectives.py` (checked by tests/test_cross_shard.py). Reads
-the HLO text that `jax.jit(f).lower(...).as_text(dialect="hlo")` or
-`.compile().as_text()` returns; nothing here depends on JAX internals.
+figures of `benchmarks/collectives.py` (checked by tests/test_cross_shard.py) and the
+tests' structural guards (tests/_hlo.py). Reads the HLO text that
+`jax.jit(f).lower(...).as_text(dialect="hlo")` or `.compile().as_text()` returns;
+nothing here depends on JAX internals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,11 +22,19 @@ _OPS = (
     "collective-permute",
     "all-to-all",
 )
-_INSTRUCTION = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(_OPS) + r")(?:-start)?\(")
+# An async pair (`all-reduce-start` / `all-reduce-done`) is read from its done, whose
+# result is the collective's (a start's is a tuple that holds the operand too).
+_INSTRUCTION = re.compile(
+    r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(_OPS) + r")(?P<phase>-start|-done)?\("
+)
 _ARRAY = re.compile(r"\b(pred|[su]8|[su]16|[su]32|[su]64|bf16|f16|f32|f64)\[([\d,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
-_GATED = re.compile(r"(?:branch_computations=\{(?P<branches>[^}]*)\}|body=%?(?P<body>[\w.\-]+))")
-_CALLS = re.compile(r"\b(?:calls|to_apply)=%?(?P<callee>[\w.\-]+)")
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_GATED = re.compile(
+    r"(?:branch_computations=\{(?P<branches>[^}]*)\}"
+    r"|true_computation=%?(?P<true>[\w.\-]+), false_computation=%?(?P<false>[\w.\-]+)"
+    r"|body=%?(?P<body>[\w.\-]+))"
+)
+_CALLS = re.compile(r"\b(?:calls|to_apply|condition)=(\{[^}]*\}|%?[\w.\-]+)")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
 
 
@@ -33,6 +44,89 @@ def _bytes(shape: str) -> int:
         size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
         total += size * _ITEMSIZE.get(dtype, 8 if dtype.endswith("64") else 4)
     return total
+
+
+def computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
+    """The name of the ENTRY computation, and each computation's instruction lines."""
+    comps: dict[str, list[str]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group("name")
+            comps[current] = []
+            if header.group("entry"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, comps
+
+
+def called(line: str) -> list[str]:
+    """Computations an instruction runs whenever it runs: fusions, calls, reductions
+    and a loop's condition, not the bodies of loops nor the branches of conditionals."""
+    return [name for group in _CALLS.findall(line) for name in re.findall(r"[\w.-]+", group)]
+
+
+def _gated(line: str) -> list[str]:
+    """The computations an instruction may run or not: a loop's body, or the branches
+    of a conditional (one list each, alternatives for a conditional)."""
+    gate = _GATED.search(line)
+    if gate is None:
+        return []
+    if gate["body"]:
+        return [gate["body"]]
+    if gate["true"]:
+        return [gate["true"], gate["false"]]
+    return [n.strip().lstrip("%") for n in gate["branches"].split(",")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program.
+
+    Attributes:
+      opcode: "all-reduce", "reduce-scatter", "all-gather", "all-to-all" or
+        "collective-permute" (an async start/done pair is one collective).
+      nbytes: bytes of its result on each device.
+      every_step: True when it runs on every call of the program (in the ENTRY
+        computation or what that calls unconditionally); False when it sits inside a
+        loop body or a conditional branch.
+    """
+
+    opcode: str
+    nbytes: int
+    every_step: bool
+
+
+def _walk(
+    comps: dict[str, list[str]],
+    name: str,
+    every_step: bool,
+    branches: Callable[[list[list[Collective]]], list[Collective]],
+) -> list[Collective]:
+    found: list[Collective] = []
+    for line in comps.get(name, []):
+        match = _INSTRUCTION.search(line)
+        if match and match["phase"] != "-start":
+            found.append(Collective(match["op"], _bytes(match["shape"]), every_step))
+        for callee in called(line):
+            found += _walk(comps, callee, every_step, branches)
+        regions = [_walk(comps, n, False, branches) for n in _gated(line)]
+        if regions:
+            found += branches(regions)
+    return found
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every collective in a compiled module's HLO text, in program order, each with
+    the bytes it produces and whether it runs on every call."""
+    entry, comps = computations(hlo)
+    return _walk(comps, entry, True, lambda regions: [c for r in regions for c in r])
 
 
 def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
@@ -46,48 +140,17 @@ def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
     branch): the extra collectives of a step that takes the branch (e.g. a release or
     sync step).
     """
-    comps: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = header.group("name")
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                comps["__entry__"] = comps[current]
-        elif current is not None:
-            comps[current].append(line)
+    entry, comps = computations(hlo)
 
-    def walk(name: str) -> tuple[dict, dict]:
-        always: dict[str, int] = {}
-        gated: dict[str, int] = {}
+    def largest(regions: list[list[Collective]]) -> list[Collective]:
+        return max(regions, key=lambda r: (sum(c.nbytes for c in r), len(r)))
 
-        def add(into: dict, other: dict) -> None:
-            for k, v in other.items():
-                into[k] = into.get(k, 0) + v
-
-        for line in comps.get(name, []):
-            match = _INSTRUCTION.search(line)
-            if match:
-                add(always, {match["op"]: 1, f"{match['op']} bytes": _bytes(match["shape"])})
-            for callee in _CALLS.findall(line):
-                a, g = walk(callee)
-                add(always, a)
-                add(gated, g)
-            gate = _GATED.search(line)
-            if gate:
-                names = gate["branches"] or gate["body"]
-                regions = [walk(n.strip().lstrip("%")) for n in names.split(",")]
-                totals = []
-                for a, g in regions:
-                    both = dict(a)
-                    add(both, g)
-                    totals.append(both)
-                add(gated, max(totals, key=lambda t: sum(t.values())))
-        return always, gated
-
-    always, gated = walk("__entry__")
-    return {"every_step": always, "when_taken": gated}
+    counts: dict[str, dict[str, int]] = {"every_step": {}, "when_taken": {}}
+    for c in _walk(comps, entry, True, largest):
+        into = counts["every_step" if c.every_step else "when_taken"]
+        into[c.opcode] = into.get(c.opcode, 0) + 1
+        into[f"{c.opcode} bytes"] = into.get(f"{c.opcode} bytes", 0) + c.nbytes
+    return counts
 
 
 def format_bytes(n: int) -> str:
