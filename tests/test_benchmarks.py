@@ -46,9 +46,7 @@ def test_one_command_writes_every_benchmarks_report(tmp_path):
             assert row["benchmark"] == name and math.isfinite(row["value"]), row
         cases[name] = {r["case"] for r in bench["rows"]}
     assert cases["dense"] == {f"64K {p}" for p in PATTERNS}
-    assert cases["train_step"] == {  # quick: tiny models, apply_gradients only
-        f"{m} tiny{p}" for m in ("mlp", "block") for p in ("", " apply_gradients")
-    }
+    assert cases["train_step"] == {"block tiny", "block tiny apply_gradients"}  # quick
     assert cases["compile_time"] == set(TRANSFORMS) - set(REFERENCES)  # quick: ours only
     assert "sync SGD (cross_shard_optimizer)" in cases["agn"]
     assert {"per leaf, float32", "pack", "agn(sgd, 4, axis_name)"} <= cases["collectives"]
