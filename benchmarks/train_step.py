@@ -24,8 +24,9 @@ interleaved rounds after a warm-up round, in wall-clock and in process CPU time
 released).
 
 Run from the repository root: `python -m benchmarks.train_step` (`--rounds N`,
-`--model mlp|block`, `--quick` for tiny models). Prints the device kind and the jax
-version, a table, and writes every figure to `benchmarks/results/train_step.json`.
+`--model mlp|block`, `--batch N` for another batch size, `--quick` for tiny models).
+Prints the device kind and the jax version, a table, and writes every figure to
+`benchmarks/results/train_step.json`.
 """
 
 from __future__ import annotations
@@ -95,15 +96,16 @@ def _regress(out: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.mean((out - target) ** 2)
 
 
-def model(name: str, quick: bool) -> tuple[nn.Module, tuple, Callable]:
-    """`(module, batch, loss)`: the module, a batch `(x, y)` and `loss(out, y)`."""
+def model(name: str, quick: bool, batch: int | None = None) -> tuple[nn.Module, tuple, Callable]:
+    """`(module, batch, loss)`: the module, a batch `(x, y)` (of `batch` examples, or the
+    model's default) and `loss(out, y)`."""
     kx, ky = jax.random.split(jax.random.key(1))
     if name == "mlp":
-        widths, batch, features = ((32, 16, 10), 4, 16) if quick else ((2048, 1024, 10), 64, 784)
-        x = jax.random.normal(kx, (batch, features))
+        widths, size, features = ((32, 16, 10), 4, 16) if quick else ((2048, 1024, 10), 64, 784)
+        x = jax.random.normal(kx, (batch or size, features))
         return MLP(widths), (x, jax.random.randint(ky, (batch,), 0, widths[-1])), _classify
-    d, heads, hidden, batch, length = (16, 2, 32, 2, 8) if quick else (512, 8, 2048, 4, 64)
-    x = jax.random.normal(kx, (batch, length, d))
+    d, heads, hidden, size, length = (16, 2, 32, 2, 8) if quick else (512, 8, 2048, 4, 64)
+    x = jax.random.normal(kx, (batch or size, length, d))
     return Block(heads, hidden), (x, jax.random.normal(ky, x.shape)), _regress
 
 
@@ -168,10 +170,12 @@ def floor(module: nn.Module, params: Any, batch: tuple, loss) -> Contender:
     return Contender(step, (params, jax.tree.map(jnp.zeros_like, params)), batch)
 
 
-def bench_model(name: str, rounds: int, quick: bool = False, progress=None) -> dict[str, Any]:
+def bench_model(
+    name: str, rounds: int, quick: bool = False, progress=None, batch: int | None = None
+) -> dict[str, Any]:
     """Every pattern on model `name` (`quick`: tiny, and `apply_gradients` only), ours
     against MultiSteps, and the floor, interleaved."""
-    module, batch, loss = model(name, quick)
+    module, batch, loss = model(name, quick, batch)
     params = module.init(jax.random.key(0), batch[0])["params"]
     contenders = {"floor": floor(module, params, batch, loss)}
     patterns = ("apply_gradients",) if quick else PATTERNS
@@ -189,6 +193,7 @@ def bench_model(name: str, rounds: int, quick: bool = False, progress=None) -> d
             cpu[k].append(c)
     out: dict[str, Any] = {
         "params": sum(p.size for p in jax.tree.leaves(params)),
+        "batch": batch[0].shape[:-1],
         "floor_ms": 1e3 * statistics.median(wall["floor"]),
         "patterns": {},
     }
@@ -209,7 +214,8 @@ def bench_model(name: str, rounds: int, quick: bool = False, progress=None) -> d
 
 
 def report(name: str, r: dict[str, Any]) -> None:
-    print(f"\n{name}: {r['params']:,} float32 parameters, Adam, {EVERY} gradients per release")
+    batch = " x ".join(map(str, r["batch"]))
+    print(f"\n{name}: {r['params']:,} float32 parameters, batch {batch}, Adam, {EVERY} per release")
     header = (
         f"{'pattern':16} {'cycle x':>8} {'cpu x':>6} {'ours ms':>8} {'theirs ms':>9} "
         f"{'ours/floor':>10} {'theirs/floor':>12}"
@@ -256,10 +262,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--model", choices=("mlp", "block"), action="append", help="default: both")
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke test")
+    parser.add_argument(
+        "--batch", type=int, help="examples (MLP) or sequences (block) per step; default 64, 4"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "train_step.json")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, ", end="")
     print(f"optax {optax.__version__}, {args.rounds} rounds")
@@ -271,11 +282,12 @@ def main() -> None:
         "python": platform.python_version(),
         "rounds": args.rounds,
         "quick": args.quick,
+        "batch": args.batch,
         "results": {},
     }
     for name in args.model or ("mlp", "block"):
         start = time.perf_counter()
-        out["results"][name] = r = bench_model(name, args.rounds, args.quick)
+        out["results"][name] = r = bench_model(name, args.rounds, args.quick, batch=args.batch)
         report(name, r)
         print(f"({time.perf_counter() - start:.0f} s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
