@@ -107,6 +107,17 @@ def test_dense_benchmark_refuses_zero_rounds():
     assert run.returncode == 2 and "--rounds must be at least 1" in run.stderr
 
 
+def test_train_step_benchmark_refuses_an_empty_batch():
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_step", "--batch", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "--batch must be at least 1, got 0" in run.stderr
+
+
 def test_compile_time_lists_where_xla_spends_its_compile_time(tmp_path):
     """`--passes`: the compile spans of a jax.profiler trace, MultiSteps' beside the
     transform's (issue 22's evidence of where the compile time goes)."""
