@@ -12,6 +12,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+# Ray (tests/test_ray*.py): the test cluster listens on the loopback address only. Ray
+# 2.60 maps 127.0.0.1 to the machine's address unless this is off; it is read when ray
+# is imported, and the cluster's workers inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -25,3 +30,53 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=25, deadline=None)
 settings.register_profile("thorough", max_examples=100, deadline=None)
 settings.load_profile("ci")
+
+
+# --------------------------------------------------------------------------- Ray
+# One local Ray cluster per test session (per pytest-xdist worker), started by the
+# first test that needs it (tests/test_ray*.py, optax_accum/ray's doctests) and shut
+# down at the end: 2 CPUs, on the loopback address (see the top), no dashboard.
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+_ROOT = pathlib.Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster whose workers import this checkout's optax_accum (and the
+    test modules, whose remote functions they run)."""
+    ray = pytest.importorskip("ray")
+    path = os.environ.get("PYTHONPATH")
+    paths = (str(_ROOT), str(_ROOT / "tests"), path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    import psutil  # a Ray dependency
+
+    started = psutil.Process().children(recursive=True)  # Ray's GCS, raylet, workers
+    try:
+        yield ray
+    finally:
+        started += psutil.Process().children(recursive=True)
+        ray.shutdown()
+        _, alive = psutil.wait_procs(set(started), timeout=30)
+        assert not alive, f"Ray left processes running: {alive}"
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
+@pytest.fixture(autouse=True)
+def _ray_for_doctests(request):
+    """optax_accum/ray's doctests run on the session's cluster."""
+    if isinstance(request.node, pytest.DoctestItem) and "optax_accum/ray/" in str(
+        request.node.path
+    ):
+        request.getfixturevalue("ray_cluster")

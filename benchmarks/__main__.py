@@ -54,6 +54,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Is `conditional_accumulator` the fast way to accumulate dense gradients, in the "
         "train steps users write (canonical, `apply_gradients`, TrainState, NNX)?",
     ),
+    "train_step": Benchmark(
+        "benchmarks.train_step",
+        "In a whole train step, forward and backward included (a 3.7M MLP, a 3.2M "
+        "transformer block), how much faster is `conditional_accumulator` than MultiSteps?",
+    ),
     "sparse": Benchmark(
         "benchmarks.sparse",
         "Is `sparse_conditional_accumulator` the fast way to accumulate embedding gradients?",
@@ -79,6 +84,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "benchmarks.host",
         "Are the host `ConditionalAccumulator` objects at least as fast as TF's own? "
         "(TF's side only with `--tf-python`)",
+    ),
+    "ray_host": Benchmark(
+        "benchmarks.ray_host",
+        "Does `optax_accum.ray`'s accumulator take four worker processes' gradients as fast "
+        "as a bare Ray actor that only sums them?",
     ),
 }
 

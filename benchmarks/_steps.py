@@ -1,5 +1,6 @@
-"""What `dense.py` and `sharded.py` share: the train steps users write, the two
-optimizers they compare, and how their interleaved rounds are ordered and paired.
+"""What `dense.py`, `sharded.py` and `train_step.py` share: the train steps users write,
+the two optimizers they compare, and how their interleaved rounds are ordered and
+paired.
 
 A script imports it as `benchmarks._steps` when it runs as part of the package
 (`python -m benchmarks`, the tests) and as `_steps` when it runs as a file

@@ -26,9 +26,12 @@
 # `conditional_accumulator` and `drop_stale_gradients`, fed the tag as the extra
 # argument `local_step`.
 #
-# Here four simulated workers train an MLP on digits; worker 0 is a straggler. We
-# compare plain asynchronous Adam and `optax.MultiSteps` (both use every gradient,
-# stale or not) with the two optax_accum transforms.
+# Here simulated workers train an MLP on digits; worker 0 is a straggler. We compare
+# plain asynchronous Adam and `optax.MultiSteps` (both use every gradient, stale or not)
+# with the two optax_accum transforms, in two regimes taken from
+# `python -m optax_accum.demo`: mild staleness (4 workers, Adam at 3e-3), where using
+# every gradient is the better deal, and heavy staleness (16 workers, Adam at 3e-2),
+# where stale gradients derail training.
 
 # %%
 # Setup: run this cell first. On Colab it installs optax_accum, keeping the runtime's
@@ -92,9 +95,7 @@ platform = jax.devices()[0].platform.upper()
 print(f"{n} {platform} device{'s' if n > 1 else ''}, jax {jax.__version__}")
 
 # %% tags=["parameters"]
-STEPS = 300  # gradients delivered to the learner
-WORKERS = 4
-STRAGGLER_SLOWDOWN = 6.0  # worker 0 takes this many times longer per gradient
+STEPS = 300  # gradients delivered to each learner
 BATCH = 32
 EVAL_EVERY = 10
 
@@ -119,17 +120,44 @@ model, init_params, loss_fn, accuracy = notebook.mlp(x_test, y_test)
 #
 # Worker `w` needs an exponentially distributed time per gradient (worker 0 is
 # slower). Each gradient is computed on the parameters the worker pulled after its
-# previous delivery, and tagged with the global step it saw then.
+# previous delivery, and tagged with the global step it saw then. With `W` workers,
+# about `W - 1` other gradients arrive between a worker's pull and its delivery: that
+# many updates late for async Adam, a third as many for `MultiSteps(adam, 3)`.
+#
+# The two regimes are the demo's: how many workers, how much slower the straggler, and
+# Adam's learning rate.
 
 # %%
 import optax
 from tqdm.auto import tqdm
 
 import optax_accum
-from optax_accum.demo.accumulate import arrival_order
+from optax_accum.demo.accumulate import HEAVY, MILD, arrival_order
 
-# Which worker delivers each gradient: exponential compute times, worker 0 the slowest.
-ORDER = arrival_order(STEPS, seed=0, workers=WORKERS, slowdown=STRAGGLER_SLOWDOWN)
+print(MILD)
+print(HEAVY)
+
+# Each learner as a function of the learning rate. The jitted update takes the rate as
+# an argument, so that the second regime reuses the first one's compilation.
+METHODS = {
+    "async adam": optax.adam,
+    "MultiSteps(adam, 3)": lambda lr: optax.MultiSteps(optax.adam(lr), 3).gradient_transformation(),
+    "drop_stale_gradients(adam, 2)": lambda lr: optax_accum.drop_stale_gradients(optax.adam(lr), 2),
+    "conditional_accumulator(adam, 3)": lambda lr: optax_accum.conditional_accumulator(
+        optax.adam(lr), num_required=3
+    ),
+}
+
+
+def jitted_update(make):
+    def update(grads, state, params, tag, lr):
+        tx = optax.with_extra_args_support(make(lr))
+        return tx.update(grads, state, params, local_step=tag)
+
+    return jax.jit(update)
+
+
+UPDATES = {name: jitted_update(make) for name, make in METHODS.items()}
 grad_fn = jax.jit(jax.grad(loss_fn))
 
 
@@ -140,18 +168,19 @@ def global_step(state):
         return 0
 
 
-def train(name, tx):
-    tx = optax.with_extra_args_support(tx)
-    update = jax.jit(lambda g, s, p, tag: tx.update(g, s, p, local_step=tag))
+def train(name, regime):
+    # Which worker delivers each gradient: exponential compute times, worker 0 the slowest.
+    order = arrival_order(STEPS, seed=0, workers=regime.workers, slowdown=regime.slowdown)
+    lr = regime.learning_rate
     params = init_params
-    state = tx.init(params)
-    pulled = [(params, 0)] * WORKERS  # (params, global step) each worker last saw
+    state = METHODS[name](lr).init(params)
+    pulled = [(params, 0)] * regime.workers  # (params, global step) each worker last saw
     rng = np.random.default_rng(1)
     curve = []
-    for i, w in enumerate(tqdm(ORDER, desc=name)):
+    for i, w in enumerate(tqdm(order, desc=f"{regime.name}: {name}")):
         snapshot, tag = pulled[w]
         grads = grad_fn(snapshot, *sample(rng, BATCH))
-        updates, state = update(grads, state, params, tag)
+        updates, state = UPDATES[name](grads, state, params, tag, lr)
         params = optax.apply_updates(params, updates)
         pulled[w] = (params, global_step(state))
         if (i + 1) % EVAL_EVERY == 0:
@@ -160,51 +189,59 @@ def train(name, tx):
 
 
 # %% [markdown]
-# ## Four learners, the same workers
+# ## Four learners, the same workers, two regimes
 
 # %%
-LR = 3e-3
-methods = {
-    "async adam": optax.adam(LR),
-    "MultiSteps(adam, 3)": optax.MultiSteps(optax.adam(LR), 3).gradient_transformation(),
-    "drop_stale_gradients(adam, 2)": optax_accum.drop_stale_gradients(optax.adam(LR), 2),
-    "conditional_accumulator(adam, 3)": optax_accum.conditional_accumulator(
-        optax.adam(LR), num_required=3
-    ),
-}
-results = {name: train(name, tx) for name, tx in methods.items()}
+results = {regime.name: {name: train(name, regime) for name in METHODS} for regime in (MILD, HEAVY)}
 
 # %%
-print(f"{'method':36} {'accuracy':>8} {'updates':>8} {'dropped':>8}")
-for name, (_, state, curve) in results.items():
-    try:
-        dropped = int(state.num_dropped)
-        updates = int(optax_accum.global_step(state))
-    except AttributeError:
-        dropped = 0
-        updates = STEPS // 3 if name.startswith("MultiSteps") else STEPS
-    print(f"{name:36} {curve[-1]:8.3f} {updates:8d} {dropped:8d}")
+for regime in (MILD, HEAVY):
+    print(f"\n{regime.label}")
+    print(f"{'method':36} {'accuracy':>8} {'updates':>8} {'dropped':>8}")
+    for name, (_, state, curve) in results[regime.name].items():
+        try:
+            dropped = int(state.num_dropped)
+            updates = int(optax_accum.global_step(state))
+        except AttributeError:
+            dropped = 0
+            updates = STEPS // 3 if name.startswith("MultiSteps") else STEPS
+        print(f"{name:36} {curve[-1]:8.3f} {updates:8d} {dropped:8d}")
 
 # %%
 import matplotlib.pyplot as plt
 
-fig, ax = plt.subplots(figsize=(7, 4))
-for name, (_, _, curve) in results.items():
-    ax.plot(EVAL_EVERY * np.arange(1, len(curve) + 1), curve, label=name)
-ax.set_xlabel("gradients delivered")
-ax.set_ylabel("test accuracy")
-ax.set_title("Digits with a straggling worker")
-ax.legend()
+fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+for ax, regime in zip(axes, (MILD, HEAVY), strict=True):
+    for name, (_, _, curve) in results[regime.name].items():
+        ax.plot(EVAL_EVERY * np.arange(1, len(curve) + 1), curve, label=name)
+    ax.set_xlabel("gradients delivered (the same stream for every learner)")
+    ax.set_title(regime.label, fontsize=9)
+axes[0].set_ylabel("test accuracy")
+axes[0].legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# **Reading the result.** The accumulator applies fewer updates: each one waits
-# for three gradients computed at the current global step, and everything the
-# straggler (and anyone who pulled before the last release) sends is dropped
-# (the `dropped` column). On this small problem stale gradients do little harm,
-# so the methods that use every gradient learn faster per gradient delivered;
-# the accumulator buys exactness (every update is TF's synchronous mean of
-# fresh gradients) with discarded work, like TF's `SyncReplicasOptimizer`.
-# `drop_stale_gradients` keeps asynchronous SGD's update rate and only bounds
-# the staleness. `optax_accum.global_step`, `num_accumulated` and
-# `set_global_step` read and move the counters like TF's accumulator methods.
+# **Reading the result.** Both panels have the same x axis: gradients delivered, the
+# same stream for every learner of a regime.
+#
+# *Mild staleness* (4 workers, Adam at 3e-3): a gradient is about 3 small updates old
+# when async Adam applies it, so it still points downhill, and the methods that use
+# every gradient learn faster per gradient delivered. The accumulator applies fewer
+# updates: each one waits for three gradients computed at the current global step, and
+# everything the straggler (and anyone who pulled before the last release) sends is
+# dropped (the `dropped` column). Here `optax.MultiSteps` is enough; the accumulator
+# buys exactness (every update is TF's synchronous mean of fresh gradients) with
+# discarded work, like TF's `SyncReplicasOptimizer`.
+#
+# *Heavy staleness* (16 workers, Adam at 3e-2): a gradient is about 14 updates old for
+# async Adam and 5 for MultiSteps, each update 10 times larger, so it was computed at
+# parameters far from the ones it is applied to, and applying it undoes progress: their
+# accuracy stalls and swings. The accumulator drops most gradients and still learns,
+# since every update it applies is computed at the current parameters.
+# `drop_stale_gradients` keeps asynchronous SGD's update rate and only bounds the
+# staleness, which is enough here too. Either change alone (more workers, or the larger
+# learning rate) costs much less on this problem; a smaller learning rate is the other
+# way out.
+#
+# `optax_accum.global_step`, `num_accumulated` and `set_global_step` read and move the
+# counters like TF's accumulator methods.

@@ -242,7 +242,8 @@ def _cond_form(
 
 
 def _tied_to(flag: jax.Array, tree: Any) -> Any:
-    """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type.
+    """`tree` behind optimization barriers shared with `flag`, keeping each leaf's type:
+    read through them, nothing in a loop body whose flag is `flag` is loop-invariant.
 
     One barrier per distinct set of varying mesh axes: under `jax.shard_map` a
     barrier's outputs all take the union of its operands' varying axes, which would
@@ -270,16 +271,20 @@ def _loop_form(
     """XLA:CPU: a `lax.while_loop` that runs zero times or once.
 
     The carry (the held step's updates and the operand) stays in one set of buffers
-    that the body updates in place, so a held step passes it on untouched. The other
-    arrays the body reads (the consts, integers included) are tied to the loop flag by
-    an optimization barrier, or XLA would hoist work on these loop-invariant inputs
-    out of the loop and run it on every step.
+    that the body updates in place, so a held step passes it on untouched. Everything
+    the body reads, the consts (integers included) and the operand, is tied to the
+    loop flag by an optimization barrier, or XLA would hoist work on loop-invariant
+    inputs out of the loop and run it on every step. The operand needs it too: a leaf
+    the body reads but does not write (a sum that the caller restarts lazily) passes
+    through the loop unchanged, so XLA counts it invariant; under `jax.shard_map` the
+    release's `psum` of that sum was moved out and all-reduced the whole gradient on
+    every step.
     """
     carry = _varying_as((held(True), operand), traced.out_shapes)
 
     def body(loop: tuple) -> tuple:
         again, value, consts = loop
-        out = traced(_tied_to(again, consts), value[1])
+        out = traced(*_tied_to(again, (consts, value[1])))
         return jnp.logical_not(again), _as_carry(out, value), consts
 
     return lax.while_loop(lambda loop: loop[0], body, (jnp.asarray(pred), carry, consts))[1]

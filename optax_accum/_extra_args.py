@@ -12,7 +12,15 @@ does, so a `tx` that cannot take an extra argument raises the same TypeError the
 
 optax cannot refuse an extra argument a transform does not know (another member of a
 chain may take it), so a misspelled one would be ignored silently; `warn_misspelled`
-warns, at trace time, about a name close to one optax_accum transforms take.
+warns, at trace time, about a name close to one optax_accum transforms take. In the same
+way, `weight` passed to a transform that does not weight gradients (`drop_stale_gradients`,
+`cross_shard_optimizer`, `agn`) would be ignored silently unless something inside it
+weights them: `warning_on_unread_weight` wraps such a transform and warns when nothing
+in its nest called `read_weight` (as the accumulators do) while its update ran.
+
+`optax.MultiSteps` traces its inner `update` twice per step: once for the step, and once
+under `jax.eval_shape` for the shape of the zeros it returns on a skipped step. A
+shape-only evaluation like that one does not warn, so a step warns once.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import contextlib
 import contextvars
 import difflib
 import inspect
+import sys
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,6 +46,13 @@ KNOWN = ("local_step", "weight")
 # transform has checked the extra arguments already, so the inner ones stay quiet and a
 # misspelled name warns once per trace, not once per level of nesting.
 _CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("_CHECKED", default=False)
+
+
+# Set while the update of a transform wrapped by `warning_on_unread_weight` runs, when a
+# `weight` was passed: one flag, raised by `read_weight` in any update nested inside.
+_WEIGHT_READ: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "_WEIGHT_READ", default=None
+)
 
 
 @contextlib.contextmanager
@@ -100,19 +117,32 @@ def _intended(name: str) -> str | None:
     return None
 
 
+def _for_shapes_only(update_frame: types.FrameType) -> bool:
+    """Whether the `update` running in `update_frame` was called by `jax.eval_shape`
+    directly (only JAX's own frames between them), as `optax.MultiSteps` does to learn
+    the shapes of its updates: its caller runs the same `update` for the step too."""
+    frame = update_frame.f_back
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("jax."):
+        if frame.f_code.co_name == "eval_shape":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def warn_misspelled(extra_args: Mapping[str, Any]) -> None:
     """Warns about each extra argument whose name is close to, but not, one that
     optax_accum transforms take (`local_steps` for `local_step`, `weights` for `weight`).
 
     Called at the top of each transform's `update`, so under `jit` it warns when the
-    step is traced, not on every step; an inner transform does not repeat the warning.
+    step is traced, not on every step; an inner transform does not repeat the warning,
+    nor does a shape-only evaluation of the update (see the module docstring).
     """
     if _CHECKED.get():
         return
-    for name in extra_args:
-        intended = _intended(name)
-        if intended is None:
-            continue
+    misspelled = [(name, _intended(name)) for name in extra_args if _intended(name) is not None]
+    if not misspelled or _for_shapes_only(sys._getframe(1)):
+        return
+    for name, intended in misspelled:
         hint = ""
         if _normalised(name) == "globalstep":
             hint = (
@@ -127,3 +157,53 @@ def warn_misspelled(extra_args: Mapping[str, Any]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def read_weight() -> None:
+    """Records that an update read the `weight` it was given (see
+    `warning_on_unread_weight`). Called by the transforms that weight gradients."""
+    read = _WEIGHT_READ.get()
+    if read is not None:
+        read[0] = True
+
+
+def warning_on_unread_weight(
+    name: str, tx: optax.GradientTransformationExtraArgs
+) -> optax.GradientTransformationExtraArgs:
+    """`tx` (the transform `name` builds, which does not weight gradients itself) with
+    an `update` that warns, when the step is traced, if it is given `weight` and no
+    transform nested inside it reads it (`read_weight`): the weight would be ignored.
+
+    The outermost such transform of a nest watches for the whole nest, so
+    `drop_stale_gradients(conditional_accumulator(...))` stays silent, and
+    `drop_stale_gradients(cross_shard_optimizer(adam))` warns once.
+    """
+
+    def update(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        if extra_args.get("weight") is None or _WEIGHT_READ.get() is not None:
+            return tx.update(updates, state, params, **extra_args)
+        read = [False]
+        token = _WEIGHT_READ.set(read)
+        try:
+            result = tx.update(updates, state, params, **extra_args)
+        finally:
+            _WEIGHT_READ.reset(token)
+        if not read[0] and not _for_shapes_only(sys._getframe(0)):
+            warnings.warn(
+                f"extra argument 'weight' reaches {name}, which does not weight "
+                f"gradients, and nothing inside it does: the weight is ignored. Weighted "
+                f"means come from conditional_accumulator and "
+                f"sparse_conditional_accumulator (put one inside {name}, or around it). If "
+                f"another transform in your optimizer takes 'weight', silence this warning "
+                f"with warnings.filterwarnings.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return result
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)

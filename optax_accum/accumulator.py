@@ -94,10 +94,13 @@ def conditional_accumulator(
 
     With `axis_name`, the accumulator is shared by the replicas of that axis (inside
     `jax.pmap`, `jax.shard_map` or `jax.vmap`). Each replica offers its own gradient
-    with its own `local_step`; acceptance counts are summed across replicas every
-    step (one scalar all-reduce), and the gradients only on releasing steps (one
-    all-reduce of the tree), so all replicas release together. A straggler whose
-    gradient is stale is simply not counted: TF's backup workers.
+    with its own `local_step` and keeps its own running sum. Every step sums the
+    acceptance counts across replicas (one all-reduce of 4 numbers, 5 with a
+    `weight`), so all replicas release together; only a releasing step sums the
+    replicas' gradients: one all-reduce per leaf, which XLA may pack into one, inside
+    the release's branch on every backend (the CPU's loop form included). A held
+    step moves nothing gradient-sized across replicas. A straggler whose gradient is
+    stale is simply not counted: TF's backup workers.
 
     Under `jax.jit` with explicit sharding, a param typed reduced over mesh axes
     (`optax_accum.as_reduced`) gets a running sum typed unreduced over them, which
@@ -210,6 +213,8 @@ def conditional_accumulator(
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
         _unreduced.check_sum_types(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
+        if weight is not None:
+            _extra_args.read_weight()
         w, weight_ok = _sums.weight_or_none(weight)
         judged = _gate.judged(
             verdict,

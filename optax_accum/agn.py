@@ -330,7 +330,9 @@ def agn(
         )
         return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _extra_args.warning_on_unread_weight(
+        "agn", optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    )
 
 
 __all__ = ["AGNState", "agn"]

@@ -229,7 +229,7 @@ def cross_shard_optimizer(
              [-2., -3.]], dtype=float32)
     """
     inner = _checks.require_transformation("inner", inner)
-    return optax.chain(
+    averaged = optax.chain(
         cross_shard(
             axis_name,
             reduction=reduction,
@@ -239,6 +239,7 @@ def cross_shard_optimizer(
         ),
         _extra_args.forward_to("inner", inner),
     )
+    return _extra_args.warning_on_unread_weight("cross_shard_optimizer", averaged)
 
 
 __all__ = ["cross_shard", "cross_shard_optimizer"]

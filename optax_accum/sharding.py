@@ -94,6 +94,17 @@ def replica_group_mesh(
     return Mesh(grid, tuple(axis_names), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def _how_to_shard(leaf: Any) -> str:
+    """How to give `leaf` a NamedSharding: an abstract value takes it as an argument."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (
+            "an abstract value takes it as an argument: jax.ShapeDtypeStruct(x.shape, "
+            "x.dtype, sharding=NamedSharding(mesh, spec)), or jax.eval_shape of a jax.jit "
+            "given out_shardings"
+        )
+    return "place it with jax.device_put(x, NamedSharding(mesh, spec))"
+
+
 def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
     """The sharding of every leaf of `tx.init(params)`, for params sharded on a mesh.
 
@@ -143,8 +154,8 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, jax.sharding.NamedSharding):
             raise ValueError(
-                f"params{jax.tree_util.keystr(path)} must have a NamedSharding (place it "
-                f"with jax.device_put(x, NamedSharding(mesh, spec))), got {sharding!r}"
+                f"params{jax.tree_util.keystr(path)} must have a NamedSharding "
+                f"({_how_to_shard(leaf)}), got {sharding!r}"
             )
         meshes.add(sharding.mesh)
     if len(meshes) != 1:

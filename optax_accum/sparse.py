@@ -198,7 +198,8 @@ def sparse_conditional_accumulator(
     With `axis_name`, the replicas of that axis share one accumulator: every step the
     replicas' sparse gradients are gathered and inserted in replica order (so every
     replica holds the same rows, and overflow is decided the same everywhere), while
-    dense leaves are summed across replicas on releasing steps only. There, each
+    dense leaves (their sums and per-row counts, one all-reduce each, which XLA may
+    pack into one) are summed across replicas on releasing steps only. There, each
     replica first sums its gradient's duplicate ids, in an order fixed by the ids and
     the rows' values, so results are the same bits on every replica and in every
     run, on GPUs too, whatever order the rows arrive in (barring a 32-bit hash
@@ -322,6 +323,8 @@ def sparse_conditional_accumulator(
         _extra_args.warn_misspelled(extra_args)
         _check_updates(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
+        if weight is not None:
+            _extra_args.read_weight()
         w, weight_ok = _sums.weight_or_none(weight)
         grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)

@@ -209,7 +209,9 @@ def drop_stale_gradients(
         )
         return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _extra_args.warning_on_unread_weight(
+        "drop_stale_gradients", optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    )
 
 
 def _find_state(state: Any) -> DropStaleGradientsState:

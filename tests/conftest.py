@@ -33,6 +33,15 @@ EARLY = [
     "tests/test_demo.py::",
     "tests/test_porting.py::",
     "tests/test_docs.py::test_sphinx",
+    # A Ray cluster per pytest-xdist worker (conftest.py's ray_cluster), started by the
+    # first of these; each test starts Ray actors (a process each, seconds).
+    "tests/test_ray.py::test_four_asynchronous_workers",
+    "tests/test_ray.py::test_random_program_from_three_processes",
+    "tests/test_ray.py::test_payloads_travel",
+    "tests/test_ray.py::test_a_",
+    "tests/test_ray.py::",
+    # Sparse accumulators under shard_map on 8 devices, and their vmap reference.
+    "tests/test_shard_map_window.py::test_one_reduction_per_window_and_the_values_of_one_device[sparse_row",
 ]
 
 

@@ -234,6 +234,78 @@ STATEFUL_BAD: list[HostBad] = [
         r"local_step must be an int, got array\(\[1, 2\]\)",
     ),
     _dense(
+        "apply_grad/weight=-1",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=-1),
+        ValueError,
+        r"weight must be a non-negative, finite scalar \(in float32\), got -1\.0",
+    ),
+    _dense(
+        "apply_grad/weight=nan",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=float("nan")),
+        ValueError,
+        r"weight must be a non-negative, finite scalar \(in float32\), got nan",
+    ),
+    _dense(
+        "apply_grad/weight=inf",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=np.inf),
+        ValueError,
+        r"weight must be a non-negative, finite scalar \(in float32\), got inf",
+    ),
+    _dense(
+        "apply_grad/weight beyond float32",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=1e39),
+        ValueError,
+        r"weight must be a non-negative, finite scalar \(in float32\), got 1e\+39",
+    ),
+    _dense(
+        "apply_grad/weight=True",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=True),
+        TypeError,
+        r"weight must be None or a non-negative real scalar, got True \(bool\)",
+    ),
+    _dense(
+        "apply_grad/weight str",
+        lambda a: a.apply_grad(DENSE_GRAD, weight="2"),
+        TypeError,
+        r"weight must be None or a non-negative real scalar, got '2' \(str\)",
+    ),
+    _dense(
+        "apply_grad/weight complex",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=np.complex64(1)),
+        TypeError,
+        r"weight must be None or a non-negative real scalar, got np\.complex64",
+    ),
+    _dense(
+        "apply_grad/weight vector",
+        lambda a: a.apply_grad(DENSE_GRAD, weight=np.ones(2)),
+        ValueError,
+        r"weight must be None or a non-negative real scalar, got shape \(2,\)",
+    ),
+    _dense(
+        "apply_grad/stale with a bad weight",
+        lambda a: a.apply_grad(DENSE_GRAD, local_step=-5, weight=-2),
+        ValueError,
+        r"weight must be a non-negative, finite scalar",
+    ),
+    _dense(
+        "take_grad/grace_period=-1",
+        lambda a: a.take_grad(1, timeout=WAIT, grace_period=-1),
+        ValueError,
+        r"grace_period must be None or a finite number of seconds >= 0, got -1",
+    ),
+    _dense(
+        "take_grad/grace_period=inf",
+        lambda a: a.take_grad(1, timeout=WAIT, grace_period=float("inf")),
+        ValueError,
+        r"grace_period must be None or a finite number of seconds >= 0, got inf",
+    ),
+    _dense(
+        "take_grad/grace_period str",
+        lambda a: a.take_grad(1, timeout=WAIT, grace_period="0.1"),
+        TypeError,
+        r"grace_period must be None or a number of seconds, got '0\.1' \(str\)",
+    ),
+    _dense(
         "take_grad/num_required=0",
         lambda a: a.take_grad(0, timeout=WAIT),
         ValueError,
@@ -392,10 +464,36 @@ STATEFUL_BAD: list[HostBad] = [
         r"grad_shape dim 1 must be 2 \(the accumulator's shape \(4, 2\)\), got 3",
     ),
     _sparse_host(
+        "apply_grad/weight=-0.5",
+        lambda a: a.apply_grad([0], ROW, weight=-0.5),
+        ValueError,
+        r"weight must be a non-negative, finite scalar \(in float32\), got -0\.5",
+    ),
+    _sparse_host(
+        "apply_grad/weight jax vector",
+        lambda a: a.apply_grad([0], ROW, weight=jnp.ones(1)),
+        ValueError,
+        r"weight must be None or a non-negative real scalar, got shape \(1,\)",
+    ),
+    _sparse_host(
+        "apply_indexed_slices_grad/weight list",
+        lambda a: a.apply_indexed_slices_grad(
+            IndexedSlices(jnp.array([0]), jnp.ones((1, 2)), (4, 2)), weight=[1.0]
+        ),
+        TypeError,
+        r"weight must be None or a non-negative real scalar, got \[1\.0\] \(list\)",
+    ),
+    _sparse_host(
         "take_grad/num_required=0",
         lambda a: a.take_grad(0, timeout=WAIT),
         ValueError,
         r"num_required must be positive, but was 0",
+    ),
+    _sparse_host(
+        "take_indexed_slices_grad/grace_period=nan",
+        lambda a: a.take_indexed_slices_grad(1, timeout=WAIT, grace_period=float("nan")),
+        ValueError,
+        r"grace_period must be None or a finite number of seconds >= 0, got nan",
     ),
     _sparse_host(
         "take_indexed_slices_grad/num_required=-1",

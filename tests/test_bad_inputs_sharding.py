@@ -35,6 +35,17 @@ BAD: list[Bad] = [
         r"params\['w'\] must have a NamedSharding \(place it with jax\.device_put",
     ),
     Bad(
+        "state_shardings/a ShapeDtypeStruct without a sharding",  # jax.eval_shape's output
+        lambda: optax_accum.state_shardings(
+            accumulator_tx(), jax.eval_shape(lambda: {"w": jnp.zeros(3)})
+        ),
+        ValueError,
+        r"params\['w'\] must have a NamedSharding \(an abstract value takes it as an "
+        r"argument: jax\.ShapeDtypeStruct\(x\.shape, x\.dtype, "
+        r"sharding=NamedSharding\(mesh, spec\)\), or jax\.eval_shape of a jax\.jit given "
+        r"out_shardings\), got None",
+    ),
+    Bad(
         "state_shardings/params on two meshes",
         lambda: optax_accum.state_shardings(accumulator_tx(), _on_two_meshes()),
         ValueError,

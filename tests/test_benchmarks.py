@@ -46,11 +46,13 @@ def test_one_command_writes_every_benchmarks_report(tmp_path):
             assert row["benchmark"] == name and math.isfinite(row["value"]), row
         cases[name] = {r["case"] for r in bench["rows"]}
     assert cases["dense"] == {f"64K {p}" for p in PATTERNS}
+    assert cases["train_step"] == {"block tiny", "block tiny apply_gradients"}  # quick
     assert cases["compile_time"] == set(TRANSFORMS) - set(REFERENCES)  # quick: ours only
     assert "sync SGD (cross_shard_optimizer)" in cases["agn"]
     assert {"per leaf, float32", "pack", "agn(sgd, 4, axis_name)"} <= cases["collectives"]
     assert {"dense apply, 1 thread", "sparse take, 4 threads"} <= cases["host"]
     assert cases["sparse"] == {"10,000 x 64"}
+    assert cases["ray_host"] == {"64 KB, 4 workers", "1 MB, 4 workers"}
     modes = ("explicit", "auto")
     assert cases["sharded"] == {
         f"64K {m} {p}" for m in modes for p in ("apply_gradients", "canonical")
@@ -104,6 +106,17 @@ def test_dense_benchmark_refuses_zero_rounds():
         timeout=120,
     )
     assert run.returncode == 2 and "--rounds must be at least 1" in run.stderr
+
+
+def test_train_step_benchmark_refuses_an_empty_batch():
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_step", "--batch", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "--batch must be at least 1, got 0" in run.stderr
 
 
 def test_compile_time_lists_where_xla_spends_its_compile_time(tmp_path):

@@ -4,10 +4,12 @@ Each round, 8 threads apply 200 gradients each, tagged with the current global s
 the one before (stale) or the one after (future), while 2 threads take with random
 `num_required` and short timeouts (many time out) and 1 thread raises the global step
 with `set_global_step`. Gradients carry integer values (exact in float32) and a
-count column, with SUM reduction, so the takes must add up exactly to what the
-applies report as accepted: nothing lost, nothing counted twice, no gradient taken by
-a take that timed out. Every wait is bounded (takes have timeouts, joins a limit), so
-a deadlock fails the test instead of hanging it. 20 rounds run in one test.
+count column, and integer weights (or none), with SUM reduction, so the takes must add
+up exactly to the weighted sum of what the applies report as accepted: nothing lost,
+nothing counted twice, no gradient taken by a take that timed out. Some takes wait out
+a short grace period after their quorum. Every wait is bounded (takes have timeouts,
+joins a limit), so a deadlock fails the test instead of hanging it. 20 rounds run in
+one test.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class _Round:
     def __init__(self, acc: Any, seed: int, apply_one: Callable, take_one: Callable) -> None:
         self.acc, self.seed = acc, seed
         self.apply_one, self.take_one = apply_one, take_one
-        self.accepted: list[list[tuple[int, int]]] = [[] for _ in range(APPLIERS)]
+        self.accepted: list[list[tuple[int, int, int]]] = [[] for _ in range(APPLIERS)]
         self.rejected = [0] * APPLIERS
         self.taken: list[Any] = []
         self.timeouts = 0
@@ -61,8 +63,9 @@ class _Round:
             value = t * 1000 + j + 1  # unique per gradient, exact in float32 sums
             row = rng.randrange(ROWS)
             step = self.acc.global_step + rng.choice([0, 0, 0, 0, -1, 1])
-            if self.apply_one(self.acc, value, row, step):
-                self.accepted[t].append((value, row))
+            weight = rng.choice([None, None, 0, 1, 2, 3])
+            if self.apply_one(self.acc, value, row, step, weight):
+                self.accepted[t].append((value, row, 1 if weight is None else weight))
             else:
                 self.rejected[t] += 1
 
@@ -70,7 +73,12 @@ class _Round:
         rng = random.Random(self.seed * 100 + 50 + t)
         while not self.appliers_done.is_set():
             try:
-                got = self.take_one(self.acc, rng.randint(1, 6), rng.choice([0.0, 1e-4, 2e-3]))
+                got = self.take_one(
+                    self.acc,
+                    rng.randint(1, 6),
+                    rng.choice([0.0, 1e-4, 2e-3]),
+                    rng.choice([None, None, 0.0, 1e-3]),
+                )
             except TimeoutError:
                 with self.lock:
                     self.timeouts += 1
@@ -121,21 +129,21 @@ def _exercised(r: _Round) -> np.ndarray:
     return np.array([r.timeouts > 0, len(r.taken) > 1, sum(r.rejected) > 0], int)
 
 
-def _dense_apply(acc, value, row, step) -> bool:
-    return acc.apply_grad(np.array([value, 1.0], np.float32), local_step=step)
+def _dense_apply(acc, value, row, step, weight) -> bool:
+    return acc.apply_grad(np.array([value, 1.0], np.float32), local_step=step, weight=weight)
 
 
-def _dense_take(acc, n, timeout):
-    return np.asarray(acc.take_grad(n, timeout=timeout), np.float64)
+def _dense_take(acc, n, timeout, grace=None):
+    return np.asarray(acc.take_grad(n, timeout=timeout, grace_period=grace), np.float64)
 
 
-def _sparse_apply(acc, value, row, step) -> bool:
+def _sparse_apply(acc, value, row, step, weight) -> bool:
     rows = np.array([[value, 1.0], [1.0, 0.0]], np.float32)
-    return acc.apply_grad([row, (row + 1) % ROWS], rows, local_step=step)
+    return acc.apply_grad([row, (row + 1) % ROWS], rows, local_step=step, weight=weight)
 
 
-def _sparse_take(acc, n, timeout):
-    indices, values, _ = acc.take_grad(n, timeout=timeout)
+def _sparse_take(acc, n, timeout, grace=None):
+    indices, values, _ = acc.take_grad(n, timeout=timeout, grace_period=grace)
     dense = np.zeros((ROWS, 2))
     np.add.at(dense, np.asarray(indices), np.asarray(values, np.float64))
     return dense
@@ -147,8 +155,8 @@ def test_dense_accumulator_stress_20_rounds():
         acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type="SUM")
         r = _Round(acc, seed, _dense_apply, _dense_take)
         r.run()
-        accepted = [v for per_thread in r.accepted for v, _ in per_thread]
-        expected = np.array([sum(accepted), len(accepted)], np.float64)
+        accepted = [(v, w) for per_thread in r.accepted for v, _, w in per_thread]
+        expected = np.array([sum(v * w for v, w in accepted), sum(w for _, w in accepted)], float)
         _check_round(r, lambda taken: np.sum(taken, axis=0), expected)
         exercised += _exercised(r)
     assert np.all(exercised > 0), exercised
@@ -164,9 +172,9 @@ def test_sparse_accumulator_stress_20_rounds():
         r.run()
         expected = np.zeros((ROWS, 2))
         for per_thread in r.accepted:
-            for value, row in per_thread:
-                expected[row] += [value, 1.0]
-                expected[(row + 1) % ROWS] += [1.0, 0.0]
+            for value, row, weight in per_thread:
+                expected[row] += [weight * value, weight]
+                expected[(row + 1) % ROWS] += [weight, 0.0]
         _check_round(r, lambda taken: np.sum(taken, axis=0), expected)
         exercised += _exercised(r)
     assert np.all(exercised > 0), exercised

@@ -32,11 +32,12 @@ def _run_module(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.Com
 
 
 def _blocks(printed: str) -> dict[str, list[str]]:
-    """The table's rows per section: the lines under each `[section]` heading's header."""
+    """The table's rows per block: the lines under each `[section] ...` heading's header,
+    keyed by the heading."""
     blocks, current = {}, None
     for line in printed.splitlines():
         if line.startswith("[") and "]" in line:
-            current = line[1 : line.index("]")]
+            current = line
             blocks[current] = []
         elif current is not None and line.split() == HEAD:
             continue
@@ -45,6 +46,12 @@ def _blocks(printed: str) -> dict[str, list[str]]:
         else:
             current = None
     return blocks
+
+
+def _section_rows(printed: str, section: str) -> list[str]:
+    """The table's rows of every block of `section`, in order."""
+    blocks = _blocks(printed)
+    return [row for head in blocks if head.startswith(f"[{section}]") for row in blocks[head]]
 
 
 def test_help_lists_every_section_and_the_flags():
@@ -81,20 +88,24 @@ def test_command_line_runs_one_section_prints_the_table_and_saves_the_plot(tmp_p
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
-    assert list(_blocks(proc.stdout)) == ["accumulate"]
-    rows = [row.strip().rsplit(None, 5) for row in _blocks(proc.stdout)["accumulate"]]
-    assert [r[0] for r in rows] == [
-        "async adam, every gradient",
-        "MultiSteps(adam, 3), every gradient",
-        "conditional_accumulator(adam, 3)",
+    assert list(_blocks(proc.stdout)) == [
+        "[accumulate] mild staleness: 4 workers (one 6x slower), Adam lr 3e-3",
+        "[accumulate] heavy staleness: 16 workers (one 6x slower), Adam lr 3e-2",
     ]
-    for _, accuracy, _, _, all_reduces, seconds in rows:
-        assert 0.0 <= float(accuracy) <= 1.0 and float(seconds) > 0
-        assert all_reduces == "-"  # one device
-    (_, _, *adam), (_, _, *multi), (_, _, *acc) = [(*r[:2], int(r[2]), int(r[3])) for r in rows]
-    assert adam == [4, 0] and multi == [1, 0]  # 4 gradients: 4 updates; 1 of 3, 1 pending
-    assert 0 <= 4 - acc[1] - 3 * acc[0] <= 2  # fresh gradients, 3 per update, 0-2 pending
-    for word in ("acc.", "updates", "dropped", "all-red.", "s "):  # the legend
+    for rows in _blocks(proc.stdout).values():
+        rows = [row.strip().rsplit(None, 5) for row in rows]
+        assert [r[0] for r in rows] == [
+            "async adam, every gradient",
+            "MultiSteps(adam, 3), every gradient",
+            "conditional_accumulator(adam, 3)",
+        ]
+        for _, accuracy, _, _, all_reduces, seconds in rows:
+            assert 0.0 <= float(accuracy) <= 1.0 and float(seconds) >= 0  # 0.0: compiled
+            assert all_reduces == "-"  # one device
+        (_, _, *adam), (_, _, *multi), (_, _, *acc) = [(*r[:2], int(r[2]), int(r[3])) for r in rows]
+        assert adam == [4, 0] and multi == [1, 0]  # 4 gradients: 4 updates; 1 of 3, 1 pending
+        assert 0 <= 4 - acc[1] - 3 * acc[0] <= 2  # fresh gradients, 3 per update, 0-2 pending
+    for word in ("acc.", "updates", "dropped", "all-red.", "s ", "mild", "heavy"):  # legend
         assert any(line.startswith(word) for line in lines), word
     plot = tmp_path / "optax_accum_demo.png"
     assert plot.read_bytes().startswith(PNG_MAGIC)
@@ -148,7 +159,7 @@ def test_section_runs_at_a_small_size(name, capsys, tmp_path):
     printed = capsys.readouterr().out
     table = printed.split("\naccuracy curves saved to")[0]
     assert max(len(line) for line in table.splitlines()) <= 100
-    lines = _blocks(printed)[name]
+    lines = _section_rows(printed, name)
     assert len(lines) == len(rows)
     for row, line in zip(rows, lines, strict=True):
         assert line.strip().startswith(row.method)
@@ -156,23 +167,64 @@ def test_section_runs_at_a_small_size(name, capsys, tmp_path):
     assert plot.read_bytes().startswith(PNG_MAGIC)
 
 
-def test_accumulate_compares_three_learners_on_one_stale_stream():
-    # The first panel: the same delivered gradients for every learner; plain Adam
-    # applies each, MultiSteps one update per 3, the accumulator drops the stale ones
-    # and applies one update per 3 fresh ones.
+def _mean_gap(order: list[int]) -> float:
+    """Gradients delivered between a worker's pull and its delivery, on average: how many
+    updates old async Adam's gradients are."""
+    last, gaps = {}, []
+    for i, w in enumerate(order):
+        gaps.append(i - last.get(w, 0))
+        last[w] = i + 1
+    return sum(gaps) / len(gaps)
+
+
+def test_arrival_order_has_a_straggler_and_more_workers_make_staler_gradients():
+    from optax_accum.demo import accumulate
+
+    steps = 300
+    for regime in accumulate.REGIMES:
+        order = accumulate.arrival_order(
+            steps, seed=0, workers=regime.workers, slowdown=regime.slowdown
+        )
+        assert len(order) == steps and set(order) == set(range(regime.workers))
+        assert order.count(0) < steps / regime.workers  # worker 0 straggles
+    mild, heavy = (
+        _mean_gap(accumulate.arrival_order(steps, 0, workers=r.workers, slowdown=r.slowdown))
+        for r in (accumulate.MILD, accumulate.HEAVY)
+    )
+    assert 2 < mild < 4 and 12 < heavy < 16  # the module's docstring says 3 and 14
+
+
+def test_accumulate_compares_three_learners_on_one_stale_stream_in_two_regimes():
+    # The same delivered gradients for every learner of a regime; plain Adam applies
+    # each, MultiSteps one update per 3, the accumulator drops the stale ones and applies
+    # one update per 3 fresh ones. Every curve has the same x axis.
     from optax_accum.demo import accumulate
 
     steps = 40
-    order = accumulate.arrival_order(steps, seed=0)
-    assert len(order) == steps and set(order) == set(range(accumulate.WORKERS))
-    assert order.count(0) < steps / accumulate.WORKERS  # worker 0 straggles
     with jax.numpy_dtype_promotion("standard"):
         rows = accumulate.run(demo.Sizes(steps=steps, batch=8))
-    adam, multi, acc = rows
-    assert "adam" in adam.method and "MultiSteps" in multi.method
-    assert acc.method == "conditional_accumulator(adam, 3)"
-    assert (adam.updates, adam.dropped) == (steps, 0)
-    assert (multi.updates, multi.dropped) == (steps // 3, 0)
-    assert acc.dropped > 0  # gradients computed before the last release are stale
-    assert 0 <= steps - acc.dropped - 3 * acc.updates <= 2
-    assert [s for s, _ in adam.curve] == [s for s, _ in multi.curve] == [s for s, _ in acc.curve]
+    assert [r.panel for r in rows] == [r.label for r in accumulate.REGIMES for _ in range(3)]
+    assert rows[0].panel == "mild staleness: 4 workers (one 6x slower), Adam lr 3e-3"
+    assert rows[3].panel == "heavy staleness: 16 workers (one 6x slower), Adam lr 3e-2"
+    for adam, multi, acc in (rows[:3], rows[3:]):
+        assert "adam" in adam.method and "MultiSteps" in multi.method
+        assert acc.method == "conditional_accumulator(adam, 3)"
+        assert (adam.updates, adam.dropped) == (steps, 0)
+        assert (multi.updates, multi.dropped) == (steps // 3, 0)
+        assert acc.dropped > 0  # gradients computed before the last release are stale
+        assert 0 <= steps - acc.dropped - 3 * acc.updates <= 2
+    assert len({tuple(s for s, _ in r.curve) for r in rows}) == 1
+    assert rows[5].dropped > rows[2].dropped  # more workers: more stale gradients
+
+
+def test_a_section_split_in_panels_prints_a_block_for_each():
+    rows = [
+        demo.Row("accumulate", "a", 0.5, 1, 0, panel="first panel"),
+        demo.Row("accumulate", "b", 0.5, 1, 0, panel="second panel"),
+        demo.Row("agn", "c", 0.5, 1, 0),
+    ]
+    assert list(_blocks(demo.format_table(rows))) == [
+        "[accumulate] first panel",
+        "[accumulate] second panel",
+        f"[agn] {demo.TITLES['agn']}",
+    ]

@@ -90,12 +90,15 @@ def _expected_output(block: str) -> str | None:
 @pytest.mark.parametrize(
     ("page", "index", "block"), BLOCKS, ids=[f"{p.name}-{i}" for p, i, _ in BLOCKS]
 )
-def test_python_block_runs_and_prints_what_it_says(page, index, block):
-    # As a user runs it: standard dtype promotion, a fresh namespace. The test session
-    # has 8 simulated CPU devices, as the multi-device blocks ask.
+def test_python_block_runs_and_prints_what_it_says(page, index, block, request):
+    # As a user runs it: standard dtype promotion, a fresh namespace (a script's: Ray
+    # sends the functions it defines by value). The test session has 8 simulated CPU
+    # devices, as the multi-device blocks ask, and a Ray cluster for the Ray blocks.
+    if "import ray" in block or "optax_accum.ray" in block:
+        request.getfixturevalue("ray_cluster")
     out = io.StringIO()
     with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(out):
-        exec(compile(block, f"{page.name} python block {index}", "exec"), {})
+        exec(compile(block, f"{page.name} python block {index}", "exec"), {"__name__": "__main__"})
     expected = _expected_output(block)
     if expected is not None:
         printed = out.getvalue().strip().splitlines()[-1]

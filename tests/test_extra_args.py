@@ -10,7 +10,12 @@
   `outer`) whose `update` takes them (`MultiSteps`' `**extra_args`, a named keyword),
   and none to an `update` that takes none, as `optax.chain` does.
 - A misspelled extra argument (`local_steps`, `localstep`, `weights`) warns once at
-  trace time, naming the intended one; optax's own extra arguments stay silent.
+  trace time, naming the intended one, inside every wrapper (`optax.MultiSteps` traces
+  its inner `update` twice, once under `jax.eval_shape`); optax's own extra arguments
+  stay silent.
+- `weight` given to a transform that does not weight gradients (`drop_stale_gradients`,
+  `cross_shard_optimizer`, `agn`) warns once at trace time, unless an accumulator nested
+  inside it reads the weight.
 """
 
 from __future__ import annotations
@@ -339,16 +344,30 @@ def test_a_misspelling_warns_once_through_nested_transforms_and_only_when_traced
         params, opt_state = step(GRAD, opt_state, params)
 
 
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_misspelling_warns_once_per_trace_in_every_wrapper(wrapper):
+    """optax.MultiSteps, outermost, traces the accumulator's update for the step and
+    again under jax.eval_shape (for its skip branch): one warning, not two."""
+    tx = WRAPPERS[wrapper]()
+    step = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p, local_steps=0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(GRAD, tx.init(PARAMS), PARAMS)
+    assert [str(w.message).split("?")[0] for w in record] == [
+        "extra argument 'local_steps' is not one optax_accum transforms take: did you mean "
+        "'local_step'"
+    ]
+
+
 @pytest.mark.parametrize(
     "extra",
     [
         {"local_step": 0},
-        {"weight": 1.0},
         {"value": 1.0},  # optax's polyak_sgd, reduce_on_plateau
         {"grad": GRAD, "value_fn": None},  # optax's linesearches
         {"step": 3, "learning_rate": 0.1, "key": 0, "rng": 0, "loss": 1.0, "mask": 1},
     ],
-    ids=["local_step", "weight", "value", "linesearch", "others"],
+    ids=["local_step", "value", "linesearch", "others"],
 )
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_legitimate_extra_arguments_stay_silent(transform, extra):
@@ -356,3 +375,119 @@ def test_legitimate_extra_arguments_stay_silent(transform, extra):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step_once(transform, tx, "canonical", **extra)
+
+
+# --------------------------------------------------------------------------- unread weights
+
+
+def _weighted_step(tx: Any, *, replicas: bool = False) -> np.ndarray:
+    """One jitted step with weight=2 (two replicas under vmap when `replicas`)."""
+
+    def step(g, p):
+        return optax_accum.apply_gradients(tx, g, tx.init(p), p, weight=2.0)[0]
+
+    if replicas:
+        stacked = jnp.stack([GRAD, GRAD]), jnp.stack([PARAMS, PARAMS])
+        return np.asarray(jax.jit(jax.vmap(step, axis_name=AXIS))(*stacked)[0])
+    return np.asarray(jax.jit(step)(GRAD, PARAMS))
+
+
+# Transforms that do not weight gradients, around nests in which nothing does.
+UNWEIGHTED: dict[str, tuple[str, Callable[[], Any], bool]] = {
+    "drop_stale_gradients(sgd)": (
+        "drop_stale_gradients",
+        lambda: optax_accum.drop_stale_gradients(optax.sgd(1.0), 0),
+        False,
+    ),
+    "cross_shard_optimizer(sgd)": (
+        "cross_shard_optimizer",
+        lambda: optax_accum.cross_shard_optimizer(optax.sgd(1.0), AXIS),
+        True,
+    ),
+    "agn(sgd)": ("agn", lambda: optax_accum.agn(optax.sgd(1.0), 1), False),
+    "drop_stale_gradients(cross_shard_optimizer(sgd))": (  # the outermost warns, once
+        "drop_stale_gradients",
+        lambda: optax_accum.drop_stale_gradients(
+            optax_accum.cross_shard_optimizer(optax.sgd(1.0), AXIS), 0
+        ),
+        True,
+    ),
+    "MultiSteps(drop_stale_gradients(sgd))": (  # traced twice by MultiSteps, warns once
+        "drop_stale_gradients",
+        lambda: _MultiSteps(
+            optax_accum.drop_stale_gradients(optax.sgd(1.0), 0), 1, use_grad_mean=False
+        ),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNWEIGHTED))
+def test_a_weight_nothing_reads_warns_once(case):
+    name, make, replicas = UNWEIGHTED[case]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        params = _weighted_step(make(), replicas=replicas)
+    assert [str(w.message).split(":")[0] for w in record] == [
+        f"extra argument 'weight' reaches {name}, which does not weight gradients, and "
+        "nothing inside it does"
+    ]
+    assert np.all(np.isfinite(params))  # the step still runs, unweighted
+
+
+def _weighing_acc() -> Any:
+    return optax_accum.conditional_accumulator(optax.sgd(1.0), 2, reduction="sum")
+
+
+# Nests in which an accumulator reads the weight: a release of one gradient, weighted 2.
+WEIGHTED: dict[str, tuple[Callable[[], Any], bool]] = {
+    "conditional_accumulator": (_weighing_acc, False),
+    "sparse_conditional_accumulator": (
+        lambda: optax_accum.sparse_conditional_accumulator(
+            optax.sgd(1.0), 2, capacity=2, reduction="sum"
+        ),
+        False,
+    ),
+    "drop_stale_gradients(conditional_accumulator)": (
+        lambda: optax_accum.drop_stale_gradients(_weighing_acc(), 0),
+        False,
+    ),
+    "drop_stale_gradients(chain(identity, conditional_accumulator))": (
+        lambda: optax_accum.drop_stale_gradients(optax.chain(optax.identity(), _weighing_acc()), 0),
+        False,
+    ),
+    "drop_stale_gradients(MultiSteps(conditional_accumulator))": (
+        lambda: optax_accum.drop_stale_gradients(
+            _MultiSteps(_weighing_acc(), 1, use_grad_mean=False), 0
+        ),
+        False,
+    ),
+    "cross_shard_optimizer(conditional_accumulator)": (
+        lambda: optax_accum.cross_shard_optimizer(_weighing_acc(), AXIS),
+        True,
+    ),
+    "chain(cross_shard, conditional_accumulator)": (  # the guide's multi-slice chain
+        lambda: optax.chain(optax_accum.cross_shard(AXIS), _weighing_acc()),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHTED))
+def test_a_weight_an_accumulator_reads_stays_silent(case):
+    make, replicas = WEIGHTED[case]
+    tx = make()
+    step = jax.jit(
+        lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p, weight=2.0),
+    )
+    if replicas:
+        step = jax.jit(jax.vmap(step, axis_name=AXIS))
+    grads = jnp.stack([GRAD, GRAD]) if replicas else GRAD
+    params = jnp.stack([PARAMS, PARAMS]) if replicas else PARAMS
+    opt_state = jax.vmap(tx.init)(params) if replicas else tx.init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # the second gradient releases the sum of both, each weighed 2
+            params, opt_state = step(grads, opt_state, params)
+    expected = -4.0 * np.asarray(GRAD, np.float64)
+    np.testing.assert_allclose(np.asarray(params).reshape(-1, 2)[0], expected, rtol=1e-6)

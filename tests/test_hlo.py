@@ -9,6 +9,7 @@ from _hlo import Collective, collectives
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _compat
 from optax_accum.demo.hlo import count_collectives
 
 
@@ -19,7 +20,7 @@ def _one_every_step_one_in_a_cond() -> jax.stages.Compiled:
         every = lax.psum(x, "data")  # f32[4] on each device
         taken = lax.cond(
             flag,
-            lambda y: lax.pcast(lax.psum(y[:2].astype(jnp.int32), "data"), "data", to="varying"),
+            lambda y: _compat.pcast_varying(lax.psum(y[:2].astype(jnp.int32), "data"), "data"),
             lambda y: y[:2].astype(jnp.int32),
             x,
         )

@@ -146,6 +146,36 @@ def test_shared_name_is_released_with_its_last_object():
     assert fresh.num_accumulated() == 0
 
 
+@pytest.mark.parametrize(
+    "cls", [optax_accum.ConditionalAccumulator, optax_accum.SparseConditionalAccumulator]
+)
+def test_an_accumulator_built_in_a_thread_that_ended_serves_every_other(pool, cls):
+    # As in a Ray actor whose methods run on a pool of threads: nothing belongs to the
+    # thread that built the object, and a shared_name finds it from any thread.
+    name = f"shared-{uuid.uuid4()}"
+    built = {}
+    builder = threading.Thread(
+        target=lambda: built.update(acc=cls(np.float64, shape=(2, 1), shared_name=name))
+    )
+    builder.start()
+    builder.join()
+    same = pool.submit(cls, np.float64, shape=(2, 1), shared_name=name).result(timeout=WAIT)
+    assert same.accumulator_ref is built["acc"].accumulator_ref
+
+    def apply(i):
+        grad = np.array([[i], [1e-17]])  # float64 only: lost in float32 next to i
+        if cls is optax_accum.ConditionalAccumulator:
+            return same.apply_grad(grad, weight=i)
+        return same.apply_grad([0, 1], grad, weight=i)
+
+    taken = pool.submit(built["acc"].take_grad, 4, WAIT, grace_period=0.01)
+    assert all(pool.map(apply, [1, 2, 3, 4]))
+    out = taken.result(timeout=WAIT)
+    values = np.asarray(out[1] if isinstance(out, tuple) else out)
+    assert values.dtype == np.float64
+    np.testing.assert_allclose(values[:, 0], [30 / 10, 1e-17], rtol=1e-12)
+
+
 # --------------------------------------------------------------------------- stress
 
 

@@ -9,9 +9,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _cases import examples
-from _host import f32
+from _host import f32, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -362,31 +363,41 @@ def test_staging_buffers_are_reused(monkeypatch):
 
 
 class DenseModel:
-    """TF's rules in pure Python, with a float64 NumPy aggregate."""
+    """TF's rules in pure Python, with a float64 NumPy aggregate, and weights as the
+    functional accumulator's (MEAN divides by the weight sum once any came)."""
 
     def __init__(self, mean):
-        self.mean, self.step, self.count, self.total = mean, 0, 0, None
+        self.mean, self.step = mean, 0
+        self.count, self.total, self.weight_sum, self.weighted = 0, np.zeros(2), 0.0, False
 
-    def apply(self, grad, local_step):
+    def apply(self, grad, local_step, weight=None):
         if local_step < self.step:
             return False
-        self.total = grad.astype(np.float64) if self.total is None else self.total + grad
-        self.count += 1
+        w = 1.0 if weight is None else float(weight)
+        if w:
+            self.total = self.total + w * grad.astype(np.float64)
+        self.count, self.weight_sum = self.count + 1, self.weight_sum + w
+        self.weighted |= weight is not None
         return True
 
     def take(self, n):
         if self.count < n:
             return None
-        out = self.total / self.count if self.mean else self.total
-        self.step, self.count, self.total = self.step + 1, 0, None
+        divisor = (self.weight_sum or 1.0) if self.weighted else self.count
+        out = self.total / divisor if self.mean else self.total
+        self.step, self.count, self.total = self.step + 1, 0, np.zeros(2)
+        self.weight_sum, self.weighted = 0.0, False
         return out
 
+
+WEIGHTS = st.one_of(st.none(), st.sampled_from([0, 1, 2, 0.25, 3.5, np.float32(1.5), np.int64(4)]))
 
 ops = st.one_of(
     st.tuples(
         st.just("apply"),
         st.lists(st.integers(-8, 8), min_size=2, max_size=2),
         st.integers(0, 5),
+        WEIGHTS,
     ),
     st.tuples(st.just("take"), st.integers(1, 3)),
     st.tuples(st.just("set"), st.integers(0, 5)),
@@ -404,7 +415,8 @@ def test_matches_reference_model(mean, program):
     for op in program:
         if op[0] == "apply":
             grad = f32(op[1])
-            assert acc.apply_grad(grad, local_step=op[2]) == model.apply(grad, op[2])
+            got = acc.apply_grad(grad, local_step=op[2], weight=op[3])
+            assert got == model.apply(grad, op[2], op[3])
         elif op[0] == "take":
             want = model.take(op[1])
             if want is None:
@@ -422,6 +434,101 @@ def test_matches_reference_model(mean, program):
                 acc.apply_grad(f32([1, 2, 3]), local_step=op[1])
         assert (acc.global_step, acc.num_accumulated()) == (model.step, model.count)
         assert acc.num_waiting_takes() == 0
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize("reduction", ["MEAN", "SUM"])
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16, np.float32, np.float64])
+def test_weighted_aggregate_matches_float64(reduction, dtype):
+    # Nine gradients: the queue of pending gradients flushes twice and the take adds
+    # the last one; weights include 0 (on a NaN gradient, which must not leak).
+    rng = np.random.default_rng(0)
+    grads = rng.standard_normal((9, 5)).astype(dtype)
+    weights = [2, 0.5, 0, 3, 1, 1.25, 7, 0, 4]
+    grads[2, 1] = grads[7, 0] = np.nan
+    acc = optax_accum.ConditionalAccumulator(dtype, shape=(5,), reduction_type=reduction)
+    for grad, weight in zip(grads, weights, strict=True):
+        assert acc.apply_grad(grad, weight=weight)
+    got = take(acc, 9)
+    kept = np.array(weights) > 0
+    want = (np.array(weights)[kept, None] * grads[kept].astype(np.float64)).sum(0)
+    if reduction == "MEAN":
+        want = want / sum(weights)
+    assert got.dtype == np.dtype(dtype)
+    tol = {np.float16: 2e-3, jnp.bfloat16: 2e-2}.get(dtype, 1e-6)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_weights_match_the_functional_accumulator(reduction, dtype):
+    # Same formula and divisor; the last bit may differ: XLA fuses (and may contract
+    # into FMAs) the host's batched adds differently from the transform's one at a time.
+    rng = np.random.default_rng(1)
+    grads = rng.standard_normal((6, 7)).astype(dtype)
+    weights = [3, None, 0.5, 0, 1, 2.75]
+    tx = optax_accum.conditional_accumulator(optax.identity(), 6, reduction=reduction)
+    state = tx.init(jnp.zeros(7, dtype))
+    step = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+    for grad, weight in zip(grads, weights, strict=True):
+        updates, state = step(jnp.asarray(grad), state, weight)
+    acc = optax_accum.ConditionalAccumulator(dtype, shape=(7,), reduction_type=reduction)
+    for grad, weight in zip(grads, weights, strict=True):
+        acc.apply_grad(grad, weight=weight)
+    ulp = np.finfo(dtype).eps
+    np.testing.assert_allclose(take(acc, 6), np.asarray(updates), rtol=2 * ulp, atol=ulp)
+
+
+def test_weights_summing_to_zero_take_zeros_and_a_weight_zero_nan_never_leaks():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    acc.apply_grad(f32([np.nan, np.inf]), weight=0)
+    acc.apply_grad(jnp.array([np.nan, 1.0]), weight=0.0)  # a caller's JAX array
+    np.testing.assert_array_equal(take(acc, 2), [0, 0])
+    acc.apply_grad(f32([np.nan, 1]), local_step=1, weight=0)
+    acc.apply_grad(f32([4, 8]), local_step=1, weight=2)
+    np.testing.assert_array_equal(take(acc, 2), [4, 8])  # (0 + 2 * g) / 2
+    assert counters(acc) == (2, 0, 0, 0)
+
+
+def test_weight_zero_counts_towards_num_required_and_is_accepted():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(), reduction_type="SUM")
+    assert acc.apply_grad(f32(5), weight=0)
+    assert acc.num_accumulated() == 1
+    assert not acc.apply_grad(f32(5), local_step=-1, weight=2)  # stale: no weight added
+    acc.apply_grad(f32(3), weight=np.float64(2))
+    assert take(acc, 2) == 6
+    assert acc.num_dropped == 1
+
+
+@pytest.mark.parametrize("num_required", [2, 4, 6])
+def test_a_waiting_take_gets_the_same_answer_as_a_late_one(pool, num_required):
+    # With a take waiting, the gradients before its last are added as soon as they come
+    # (the hand-off then adds one and divides); with none, they queue. Same answer.
+    rng = np.random.default_rng(num_required)
+    grads = rng.standard_normal((num_required, 3)).astype(np.float32)
+    weights = rng.integers(0, 4, num_required).tolist()
+    answers = []
+    for waiting in (True, False):
+        acc = optax_accum.ConditionalAccumulator(np.float32, shape=(3,))
+        future = pool.submit(acc.take_grad, num_required, T) if waiting else None
+        if waiting:
+            wait_until(lambda acc=acc: acc.num_waiting_takes() == 1)
+        for grad, weight in zip(grads, weights, strict=True):
+            acc.apply_grad(grad, weight=weight)
+        answers.append(np.asarray(future.result(T) if waiting else take(acc, num_required)))
+    kept = np.array(weights, float)
+    want = (kept[:, None] * grads).sum(0) / (kept.sum() or 1)
+    np.testing.assert_allclose(answers[0], want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(answers[1], want, rtol=1e-6, atol=1e-7)
+
+
+def test_weights_may_be_numpy_and_jax_scalars():
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=())
+    for weight in (np.int32(1), np.float16(2), np.array(3.0), jnp.asarray(2, jnp.int32)):
+        acc.apply_grad(f32(8), weight=weight)
+    assert take(acc, 4) == 8
 
 
 # --------------------------------------------------------------------------- faults
@@ -451,14 +558,14 @@ def test_a_deleted_jax_gradient_is_rejected_and_changes_nothing():
     np.testing.assert_array_equal(take(acc), [1, 2])
 
 
-def _fail_once(monkeypatch, module, names):
-    """Makes the kernels `names` of `module` raise on their next call, once."""
+def _fail_once(monkeypatch, module, names, times=1):
+    """Makes the kernels `names` of `module` raise on their next `times` calls."""
     calls = []
     for name in names:
         real = getattr(module, name)
 
         def failing(*args, _real=real, **kwargs):
-            if not calls:
+            if len(calls) < times:
                 calls.append(1)
                 raise RuntimeError("device lost")
             return _real(*args, **kwargs)
@@ -474,16 +581,51 @@ def test_a_take_whose_reduction_fails_leaves_a_consistent_usable_accumulator(
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type=reduction)
     acc.apply_grad(f32([1, 1]))
     acc.apply_grad(f32([3, 3]))
-    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"])
+    # Dispatched as the batch is handed over, the reduction fails; the taker meets the
+    # failure again and raises it.
+    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"], times=2)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.take_grad(2, timeout=T)
-    assert calls
+    assert len(calls) == 2
     # The take took its gradients and failed with them: the count went with them.
     assert counters(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
     acc.apply_grad(f32([10, 10]), local_step=1)
     acc.apply_grad(f32([20, 20]), local_step=1)
     want = 15.0 if reduction == "MEAN" else 30.0
     np.testing.assert_array_equal(take(acc, 2), [want, want])
+
+
+def test_a_reduction_that_fails_once_at_the_hand_off_is_retried_by_the_taker(monkeypatch):
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    acc.apply_grad(f32([1, 1]))
+    acc.apply_grad(f32([3, 3]))
+    calls = _fail_once(monkeypatch, _dense, ["_finish_in_place", "_finish_copy"])
+    np.testing.assert_array_equal(take(acc, 2), [2, 2])
+    assert calls and counters(acc) == (1, 0, 0, 0)
+
+
+def test_a_hand_off_interrupted_after_its_answer_was_dispatched(pool, monkeypatch):
+    # The answer's kernel consumed the aggregate, and the interrupt lost its result:
+    # the take completes with a clear error, and the accumulator goes on.
+    acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
+    real = _dense.DenseCore.seal
+
+    def interrupted(self, batch):
+        self._answer(batch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_dense.DenseCore, "seal", interrupted)
+    future = pool.submit(acc.take_grad, 2, T)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    acc.apply_grad(f32([1, 1]))  # one short: added at once, the aggregate exists
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(f32([3, 3]))
+    with pytest.raises(RuntimeError, match="interrupted at its hand-off"):
+        future.result(timeout=T)
+    monkeypatch.setattr(_dense.DenseCore, "seal", real)
+    assert counters(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
+    acc.apply_grad(f32([5, 5]), local_step=1)
+    np.testing.assert_array_equal(take(acc), [5, 5])
 
 
 def test_an_apply_whose_add_fails_changes_nothing(monkeypatch):

@@ -158,6 +158,16 @@ def test_dtypes(dtype):
     assert float(values[0, 0]) == 4.5
 
 
+@pytest.mark.parametrize("nnz", [1, 3, 8])  # padded to 8 rows or not
+def test_float64_rows_stay_float64_without_x64(nnz):
+    acc = optax_accum.SparseConditionalAccumulator(np.float64, shape=(8, 1))
+    rows = np.full((nnz, 1), 1 + 1e-12)  # 1 in float32
+    for _ in range(2):
+        acc.apply_grad(np.arange(nnz), rows)
+    _, values, _ = take(acc)
+    np.testing.assert_array_equal(values, rows)
+
+
 def test_jax_inputs_and_indexed_slices():
     acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(5, 2))
     acc.apply_grad(jnp.array([4, 1, 4]), jnp.ones((3, 2)), grad_shape=(5, 2))
@@ -240,29 +250,37 @@ def test_compilations_depend_only_on_size_buckets():
 
 
 class SparseModel:
-    """TF's rules with the dense meaning of each gradient, in pure Python (float64)."""
+    """TF's rules with the dense meaning of each gradient, in pure Python (float64), and
+    weights as the functional sparse accumulator's: per row, MEAN divides by the weight
+    sum of the gradients that touched it (1 where that is 0) once any came weighted."""
 
     def __init__(self, mean):
-        self.mean, self.step, self.count, self.rows = mean, 0, 0, {}
+        self.mean, self.step, self.count, self.rows, self.weighted = mean, 0, 0, {}, False
 
-    def apply(self, indices, values, local_step):
+    def apply(self, indices, values, local_step, weight=None):
         if local_step < self.step:
             return False
+        w = 1.0 if weight is None else float(weight)
         touched = {}
         for i, v in zip(indices, values, strict=True):
             touched[i] = touched.get(i, 0.0) + np.float64(v)
         for i, v in touched.items():
-            total, n = self.rows.get(i, (np.zeros(2), 0))
-            self.rows[i] = (total + v, n + 1)
+            total, n, ws = self.rows.get(i, (np.zeros(2), 0, 0.0))
+            self.rows[i] = (total + w * v if w else total, n + 1, ws + w)
         self.count += 1
+        self.weighted |= weight is not None
         return True
 
     def take(self, n):
         if self.count < n:
             return None
         keys = sorted(self.rows)
-        values = [self.rows[k][0] / (self.rows[k][1] if self.mean else 1) for k in keys]
-        self.step, self.count, self.rows = self.step + 1, 0, {}
+        values = []
+        for k in keys:
+            total, count, ws = self.rows[k]
+            divisor = (ws or 1.0) if self.weighted else count
+            values.append(total / divisor if self.mean else total)
+        self.step, self.count, self.rows, self.weighted = self.step + 1, 0, {}, False
         return keys, np.array(values).reshape(-1, 2)
 
 
@@ -271,6 +289,7 @@ ops = st.one_of(
         st.just("apply"),
         st.lists(st.tuples(st.integers(0, 20), st.integers(-6, 6)), max_size=12),
         st.integers(0, 4),
+        st.one_of(st.none(), st.sampled_from([0, 1, 2, 0.5, np.float32(3)])),
     ),
     st.tuples(st.just("take"), st.integers(1, 3)),
     st.tuples(st.just("set"), st.integers(0, 4)),
@@ -285,10 +304,10 @@ ops = st.one_of(
 @example(
     mean=True,
     program=[
-        ("apply", [(0, 0)], 0),
-        ("apply", [(0, 0)], 0),
+        ("apply", [(0, 0)], 0, None),
+        ("apply", [(0, 0)], 0, None),
         ("take", 1),
-        ("apply", [], 1),
+        ("apply", [], 1, None),
         ("take", 1),
     ],
 )
@@ -301,8 +320,8 @@ def test_matches_reference_model(mean, program):
         if op[0] == "apply":
             indices = np.array([i for i, _ in op[1]], np.int64)
             values = np.array([[v, -v] for _, v in op[1]], np.float32).reshape(-1, 2)
-            got = acc.apply_grad(indices, values, local_step=op[2])
-            assert got == model.apply(indices.tolist(), values.tolist(), op[2])
+            got = acc.apply_grad(indices, values, local_step=op[2], weight=op[3])
+            assert got == model.apply(indices.tolist(), values.tolist(), op[2], op[3])
         elif op[0] == "take":
             want = model.take(op[1])
             if want is None:
@@ -322,6 +341,66 @@ def test_matches_reference_model(mean, program):
             with pytest.raises(ValueError):
                 acc.apply_grad([21], f32([[1, 1]]), local_step=op[1])
         assert (acc.global_step, acc.num_accumulated()) == (model.step, model.count)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def test_weights_match_the_functional_sparse_accumulator(reduction="mean"):
+    # MEAN only (a compile of the transform costs seconds); SUM is the reference model's.
+    # Rows touched by different gradients and weights (0 on a NaN row among them);
+    # each row's mean divides by the weight sum of the gradients that touched it.
+    grads = [
+        ([0, 3], f32([[1, 2], [3, 4]]), 2.0),
+        ([3, 1, 3], f32([[5, 6], [7, 8], [1, 1]]), None),
+        ([0, 2], f32([[np.nan, 1], [2, 2]]), 0),
+        ([2], f32([[4, -4]]), 0.5),
+    ]
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(-1.0), 4, capacity=8, reduction=reduction
+    )
+    state = tx.init(jnp.zeros((5, 2)))
+    step = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, (5, 2), reduction_type=reduction)
+    for ids, values, weight in grads:
+        grad = optax_accum.IndexedSlices(jnp.array(ids), jnp.asarray(values), (5, 2))
+        updates, state = step(grad, state, weight)
+        assert acc.apply_grad(ids, values, weight=weight)
+    indices, got, _ = take(acc, 4)
+    dense = np.asarray(getattr(updates, "to_dense", lambda: updates)())  # sgd(-1): the sum
+    assert indices == [0, 1, 2, 3]
+    np.testing.assert_allclose(got, dense[indices], rtol=1e-6)
+    assert not np.isnan(got).any()
+
+
+def test_a_row_touched_only_by_weight_zero_comes_back_as_zeros():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(3, 1))
+    acc.apply_grad([0, 1], f32([[np.nan], [2]]), weight=0)
+    acc.apply_grad([1], f32([[6]]), weight=np.int64(3))
+    indices, values, _ = take(acc, 2)
+    assert indices == [0, 1]
+    np.testing.assert_array_equal(values, [[0], [6]])
+
+
+@pytest.mark.parametrize("first_weight", [None, 1])
+def test_weights_after_unweighted_gradients_count_those_as_one(first_weight):
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 1))
+    acc.apply_grad([0, 1], f32([[2], [4]]), weight=first_weight)  # becomes the buffer
+    acc.apply_grad([1], f32([[6]]))
+    acc.apply_grad([], np.zeros((0, 1), np.float32), weight=5)  # no rows: no weight
+    acc.apply_grad([1, 3], f32([[1], [8]]), weight=2)
+    indices, values, _ = take(acc, 4)
+    assert indices == [0, 1, 3]
+    np.testing.assert_array_equal(values, [[2], [(4 + 6 + 2) / 4], [8]])
+
+
+def test_weighted_first_gradient_is_scaled_not_adopted_as_the_buffer():
+    acc = optax_accum.SparseConditionalAccumulator(np.float32, shape=(4, 2), reduction_type="SUM")
+    for step in range(2):  # without and then with a taken batch's spare buffer
+        acc.apply_grad([0, 2], f32([[1, 2], [3, 4]]), local_step=step, weight=2.5)
+        indices, values, _ = take(acc)
+        assert indices == [0, 2]
+        np.testing.assert_array_equal(values, [[2.5, 5], [7.5, 10]])
 
 
 def test_results_live_on_the_device():

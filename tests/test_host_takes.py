@@ -181,6 +181,125 @@ def test_bad_num_required_arrays_change_nothing(bad, error, match):
     assert (acc.num_accumulated(), acc.num_waiting_takes(), acc.global_step) == (1, 0, 0)
 
 
+# --------------------------------------------------------------------------- grace period
+
+
+def _grad(acc, value, step=0):
+    if isinstance(acc, optax_accum.SparseConditionalAccumulator):
+        return acc.apply_grad([0], f32([[value, value]]), local_step=step)
+    return acc.apply_grad(f32(value), local_step=step)
+
+
+def _value(out):
+    return float(out[1][0, 0]) if isinstance(out, tuple) else float(out)
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_a_grace_period_takes_the_stragglers_that_arrive_in_it(pool, make):
+    acc = make("SUM")
+    start = time.monotonic()
+    future = pool.submit(acc.take_grad, 2, WAIT, grace_period=0.5)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    _grad(acc, 1)
+    _grad(acc, 2)  # the quorum: the take waits on, still at the head
+    assert not future.done() and acc.num_waiting_takes() == 1 and acc.global_step == 0
+    assert _grad(acc, 4)  # a straggler computed at step 0: accepted into this take
+    assert _value(future.result(timeout=WAIT)) == 7.0
+    assert time.monotonic() - start >= 0.5
+    assert (acc.global_step, acc.num_accumulated(), acc.num_waiting_takes()) == (1, 0, 0)
+    assert not _grad(acc, 8)  # stale once the take completed
+
+
+def test_a_grace_period_without_stragglers_takes_the_quorum_after_it():
+    acc = dense()
+    acc.apply_grad(f32(3))
+    start = time.monotonic()
+    assert float(acc.take_grad(1, timeout=0, grace_period=0.03)) == 3.0
+    assert time.monotonic() - start >= 0.03
+    acc.apply_grad(f32(5), local_step=1)
+    assert float(acc.take_grad(1, timeout=0, grace_period=0)) == 5.0  # 0: none, as TF
+    assert acc.global_step == 2
+
+
+def test_timeout_bounds_the_quorum_only_and_consumes_nothing():
+    acc = dense("SUM")
+    acc.apply_grad(f32(1))
+    with pytest.raises(TimeoutError, match=r"take_grad\(2\) timed out"):
+        acc.take_grad(2, timeout=0.02, grace_period=0.5)
+    assert (acc.global_step, acc.num_accumulated(), acc.num_waiting_takes()) == (0, 1, 0)
+    # Reached before the timeout: the grace period runs past it and the take completes.
+    start = time.monotonic()
+    assert float(acc.take_grad(1, timeout=0.01, grace_period=0.05)) == 1.0
+    assert time.monotonic() - start >= 0.05 and acc.global_step == 1
+
+
+def test_a_later_take_waits_behind_a_grace_period(pool):
+    acc = dense("SUM")
+    first = pool.submit(acc.take_grad, 1, WAIT, grace_period=0.3)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    second = pool.submit(acc.take_grad, 1, WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 2)
+    acc.apply_grad(f32(1))  # the head's quorum; the later take(1) must still wait
+    acc.apply_grad(f32(2))
+    assert not first.done() and not second.done()
+    assert float(first.result(timeout=WAIT)) == 3.0
+    assert not second.done() and acc.num_waiting_takes() == 1
+    acc.apply_grad(f32(7), local_step=1)
+    assert float(second.result(timeout=WAIT)) == 7.0
+    assert acc.global_step == 2
+
+
+@pytest.mark.parametrize("make", [dense, sparse])
+def test_cancel_waiting_takes_ends_a_grace_period_consuming_nothing(pool, make):
+    acc = make()
+    _grad(acc, 3)
+    future = pool.submit(acc.take_grad, 1, WAIT, grace_period=WAIT)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    _grad(acc, 5)
+    assert acc.cancel_waiting_takes() == 1
+    assert isinstance(future.exception(timeout=WAIT), concurrent.futures.CancelledError)
+    assert (acc.global_step, acc.num_accumulated(), acc.num_waiting_takes()) == (0, 2, 0)
+    assert _value(acc.take_grad(2, timeout=0)) == 4.0
+
+
+def test_set_global_step_during_a_grace_period(pool):
+    # The step moves on mid-window: gradients older than it are dropped, newer ones
+    # join the take, which then advances the step from where it was set.
+    acc = dense("SUM")
+    acc.apply_grad(f32(1))
+    future = pool.submit(acc.take_grad, 1, WAIT, grace_period=0.3)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    acc.set_global_step(5)
+    assert not acc.apply_grad(f32(10), local_step=0)
+    assert acc.apply_grad(f32(100), local_step=5)
+    assert float(future.result(timeout=WAIT)) == 101.0
+    assert (acc.global_step, acc.num_dropped) == (6, 1)
+
+
+def test_an_apply_after_the_grace_period_hands_the_take_over(pool):
+    # Whoever holds the lock after the window ends hands the batch over: an apply that
+    # comes before the taker's thread wakes is the take's last gradient; one after it
+    # finds the step advanced, and is stale. Either way, exactly once.
+    acc = dense("SUM")
+    future = pool.submit(acc.take_grad, 1, WAIT, grace_period=0.02)
+    wait_until(lambda: acc.num_waiting_takes() == 1)
+    acc.apply_grad(f32(1))
+    time.sleep(0.03)
+    accepted = acc.apply_grad(f32(2))
+    assert float(future.result(timeout=WAIT)) == (3.0 if accepted else 1.0)
+    assert (acc.global_step, acc.num_accumulated(), acc.num_dropped) == (1, 0, int(not accepted))
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "1", True, [1]])
+def test_bad_grace_periods_change_nothing(bad):
+    acc = dense()
+    acc.apply_grad(f32(2))
+    error = TypeError if isinstance(bad, str | bool | list) else ValueError
+    with pytest.raises(error, match="grace_period must be None or"):
+        acc.take_grad(1, timeout=0, grace_period=bad)
+    assert (acc.num_accumulated(), acc.num_waiting_takes(), acc.global_step) == (1, 0, 0)
+
+
 # --------------------------------------------------------------------------- interrupts
 
 
@@ -266,12 +385,21 @@ def _make(kind):
     return cls(np.float32, shape=shape, reduction_type="SUM")
 
 
-@pytest.mark.parametrize(("kind", "as_jax"), [("dense", False), ("dense", True), ("sparse", False)])
-def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax):
+@pytest.mark.parametrize(
+    ("kind", "as_jax", "grace"),
+    [
+        ("dense", False, None),
+        ("dense", True, None),
+        ("sparse", False, None),
+        ("dense", False, 0.01),
+    ],
+)
+def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax, grace):
     """A take waits for 2 gradients; the apply that brings the second is interrupted at
     each line in turn. The take must get its result (from that gradient, or from a
     later one tagged with the same step) or time out at its deadline: never hang, never
-    fail otherwise; and the counter must match the aggregate afterwards."""
+    fail otherwise; and the counter must match the aggregate afterwards. With a grace
+    period, the interrupted apply may be the one that starts it."""
     deadline = 2.0  # seconds (each take the interrupt orphans waits it out)
 
     def run(interrupt):
@@ -282,7 +410,7 @@ def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax):
         def taker():
             start = time.monotonic()
             try:
-                outcome["result"] = _taken(acc.take_grad(2, timeout=deadline))
+                outcome["result"] = _taken(acc.take_grad(2, timeout=deadline, grace_period=grace))
             except BaseException as e:
                 outcome["error"], outcome["after"] = e, time.monotonic() - start
 
@@ -304,6 +432,8 @@ def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax):
             # Late and accepted: the interrupted gradient was left out, or counted with a
             # hand-off undone (then the take gets all three, as TF's MEAN would).
             expected = ([101, 2], [111, 3]) if late else ([11, 2],)
+            if grace is not None:  # the late one may also come in the window, or after
+                expected = ([11, 2], [101, 2], [111, 3])
             assert outcome["result"] in expected, interrupt.n
             assert acc.global_step == 1
         assert acc.num_waiting_takes() == 0
@@ -313,11 +443,11 @@ def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax):
     assert _every_line(run) > 10
 
 
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_an_interrupted_taker_never_orphans_the_take_behind_it(kind):
-    """Take A is interrupted at each line in turn (while queueing, waiting, being served
-    or reducing); take B, behind it, must still get a gradient, and nothing is counted
-    twice or lost from the accumulator."""
+@pytest.mark.parametrize(("kind", "grace"), [("dense", None), ("sparse", None), ("dense", 0.01)])
+def test_an_interrupted_taker_never_orphans_the_take_behind_it(kind, grace):
+    """Take A is interrupted at each line in turn (while queueing, waiting, being served,
+    sitting out its grace period or reducing); take B, behind it, must still get a
+    gradient, and nothing is counted twice or lost from the accumulator."""
 
     def run(interrupt):
         acc = _make(kind)
@@ -326,7 +456,7 @@ def test_an_interrupted_taker_never_orphans_the_take_behind_it(kind):
         def first():
             try:
                 with interrupt:
-                    outcome["a"] = _taken(acc.take_grad(1, timeout=WAIT))
+                    outcome["a"] = _taken(acc.take_grad(1, timeout=WAIT, grace_period=grace))
             except KeyboardInterrupt:
                 assert interrupt.fired
                 outcome["a"] = None

@@ -48,6 +48,7 @@ NOT_CORE = {
     "test_oldest_versions.py",
     "test_orbax.py",
     "test_porting.py",  # the ports use Flax and Orbax
+    "test_ray.py",  # the ray extra
     "test_preemption.py",
     "test_regression_guard_flax.py",
 }

@@ -63,8 +63,11 @@ def test_the_page_runs_only_its_own_fences():
 
 
 @pytest.mark.parametrize("title", list(SECTIONS))
-def test_port_runs_and_prints_what_it_says(title):
-    namespace: dict = {}
+def test_port_runs_and_prints_what_it_says(title, request):
+    if "import ray" in SECTIONS[title]:
+        request.getfixturevalue("ray_cluster")  # the session's, as `ray.init` would start
+    # A script's namespace: Ray sends the classes and functions it defines by value.
+    namespace: dict = {"__name__": "__main__"}
     # As a user runs it: standard dtype promotion; the test session has the 8
     # simulated CPU devices the TPU port asks for.
     with jax.numpy_dtype_promotion("standard"):

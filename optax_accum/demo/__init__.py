@@ -36,14 +36,19 @@ EXTRA = {"sklearn": "scikit-learn", "flax": "flax", "matplotlib": "matplotlib", 
 INSTALL = 'pip install "optax-accum[demo]"'
 WIDTH = 100  # the table fits in this many columns
 # The x axis of a section's panel, where it is not one training step per point.
-XLABELS = {"accumulate": "gradients delivered", "agn": "local step of each worker"}
+XLABELS = {
+    "accumulate": "gradients delivered (the same stream for every learner)",
+    "agn": "local step of each worker",
+}
 
 LEGEND = """\
 acc.      test accuracy of the trained model (AGN: the centre) on 360 held-out digits
 updates   updates the optimizer applied (TF's global step; AGN: communication rounds)
 dropped   gradients dropped as stale (sparse: or rejected for overflowing `capacity`)
 all-red.  all-reduces run in the whole training run; "-": one device, none needed
-s         wall-clock seconds of the run, compilation included"""
+s         wall-clock seconds of the run, compilation included
+mild      [accumulate] 4 workers, small Adam steps: a stale gradient still points downhill
+heavy     [accumulate] 16 workers, 10x the step: a stale gradient undoes progress"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,9 @@ class Row:
     """One line of the results table, and the run's test-accuracy curve.
 
     `curve` is a list of `(step, accuracy)` pairs; `all_reduces` is None for a run
-    on one device.
+    on one device. `panel` splits a section: its rows with the same `panel` share a
+    block of the table and a panel of the plot, headed by it instead of the section's
+    title.
     """
 
     section: str
@@ -71,6 +78,12 @@ class Row:
     all_reduces: int | None = None
     seconds: float = 0.0
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    panel: str = ""
+
+
+def _heading(row: Row) -> str:
+    """`[section] title`, the heading of the row's block in the table and its plot panel."""
+    return f"[{row.section}] {row.panel or TITLES.get(row.section, '')}".rstrip()
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -96,9 +109,9 @@ def format_table(rows: Sequence[Row]) -> str:
         return "  " + "  ".join([first, *rest])
 
     out: list[str] = []
-    for section in dict.fromkeys(r.section for r in rows):
-        out += ["", f"[{section}] {TITLES.get(section, '')}".rstrip(), line(head)]
-        out += [line(cells(r)) for r in rows if r.section == section]
+    for heading in dict.fromkeys(_heading(r) for r in rows):
+        out += ["", heading, line(head)]
+        out += [line(cells(r)) for r in rows if _heading(r) == heading]
     out += ["", *LEGEND.splitlines()]
     too_wide = [x for x in out if len(x) > WIDTH]
     if too_wide:
@@ -107,26 +120,27 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def save_plot(rows: Sequence[Row], path: str) -> None:
-    """Saves every row's test-accuracy curve as a PNG, one panel per section."""
+    """Saves every row's test-accuracy curve as a PNG, one panel per section (and per
+    `Row.panel` within a section)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sections = list(dict.fromkeys(r.section for r in rows if r.curve))
-    if not sections:
+    panels = list(dict.fromkeys((r.section, _heading(r)) for r in rows if r.curve))
+    if not panels:
         raise ValueError("no section recorded a curve to plot")
-    cols = min(2, len(sections))
-    rows_ = math.ceil(len(sections) / cols)
+    cols = min(2, len(panels))
+    rows_ = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows_, cols, figsize=(6.5 * cols, 4.2 * rows_), squeeze=False)
-    for ax in axes.flat[len(sections) :]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    for ax, section in zip(axes.flat, sections, strict=False):
+    for ax, (section, heading) in zip(axes.flat, panels, strict=False):
         for r in rows:
-            if r.section == section and r.curve:
+            if _heading(r) == heading and r.curve:
                 steps, accuracy = zip(*r.curve, strict=True)
                 ax.plot(steps, accuracy, label=r.method, linewidth=1.3)
-        ax.set_title(f"[{section}] {TITLES.get(section, '')}", fontsize=9)
+        ax.set_title(heading, fontsize=9)
         ax.set_xlabel(XLABELS.get(section, "training step"))
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0.0, 1.0)

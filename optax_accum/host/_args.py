@@ -16,6 +16,7 @@ SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32"
 Shape = tuple[int | None, ...]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_dtype(dtype: Any) -> np.dtype:
@@ -132,6 +133,68 @@ def check_timeout(timeout: Any) -> float | None:
     if not timeout >= 0:
         raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
     return None if math.isinf(timeout) else float(timeout)
+
+
+def check_weight(weight: Any) -> float | None:
+    """A gradient's `weight` as a Python float (a float32 value), or None for 1.
+
+    A real scalar: a Python or NumPy int or float, or a 0-d real NumPy or JAX array;
+    non-negative and finite in float32, as the functional accumulators' `weight`.
+    """
+    if weight is None:
+        return None
+    real = int | float | np.integer | np.floating | np.ndarray | jax.Array
+    if isinstance(weight, bool | np.bool_) or not isinstance(weight, real):
+        raise TypeError(
+            f"weight must be None or a non-negative real scalar, got {weight!r:.80} "
+            f"({type(weight).__name__})"
+        )
+    dtype = np.dtype(weight.dtype) if hasattr(weight, "dtype") else None
+    if dtype is not None and dtype.kind not in "iuf" and dtype != jnp.bfloat16:
+        raise TypeError(f"weight must be None or a non-negative real scalar, got dtype {dtype}")
+    if np.ndim(weight) != 0:
+        raise ValueError(
+            f"weight must be None or a non-negative real scalar, got shape {np.shape(weight)}"
+        )
+    value = float(np.asarray(jax.device_get(weight), np.float64))
+    if not (math.isfinite(value) and 0 <= value <= _FLOAT32_MAX):
+        raise ValueError(
+            f"weight must be a non-negative, finite scalar (in float32), got {value!r}"
+        )
+    return float(np.float32(value))
+
+
+def check_grace_period(grace_period: Any) -> float | None:
+    """Seconds a take waits on once its count is reached; None (or 0) for none."""
+    if grace_period is None:
+        return None
+    if isinstance(grace_period, bool) or not isinstance(
+        grace_period, int | float | np.integer | np.floating
+    ):
+        raise TypeError(
+            f"grace_period must be None or a number of seconds, got {grace_period!r} "
+            f"({type(grace_period).__name__})"
+        )
+    if not (math.isfinite(grace_period) and grace_period >= 0):
+        raise ValueError(
+            f"grace_period must be None or a finite number of seconds >= 0, got {grace_period!r}"
+        )
+    return float(grace_period) or None
+
+
+def kernel_weight(weight: float | None) -> np.ndarray | None:
+    """A checked weight as the kernels take it: None for 1 (nothing multiplied: `1 * g`
+    is `g`), else a float32 scalar."""
+    return None if weight is None or weight == 1 else np.float32(weight)
+
+
+def kernel_weights(weights: list[float | None]) -> np.ndarray | None:
+    """The weights of gradients added by one kernel, as it takes them: None when none
+    needs multiplying, else a float32 vector (1 for None): a kernel compiles for these
+    two forms only."""
+    if all(kernel_weight(w) is None for w in weights):
+        return None
+    return np.array([1 if w is None else w for w in weights], np.float32)
 
 
 def fmt(shape: Shape | None) -> str:

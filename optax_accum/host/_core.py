@@ -107,15 +107,19 @@ class Core:
     # ------------------------------------------------------------------ take
 
     def serve(self) -> None:
-        """Hands the batch to the head take if it has enough gradients (lock held)."""
+        """Hands the batch to the head take if it has enough gradients and no grace
+        period left to wait (lock held)."""
         head = self.takes.head()
         if head is None or self.batch.count < head.num_required:
             return
-        batch, step, empty = self.batch, self.global_step, self.new_batch()
+        batch = self.batch
         try:
-            self.seal(batch)
+            if not head.due():  # in its grace period (interrupted: its thread is woken)
+                return
+            step, empty = self.global_step, self.new_batch()
             self.takes.pop_head()
             self.batch, self.global_step = empty, step + 1  # one step: no interruption inside
+            self.seal(batch)  # the batch is the take's alone now
             head.hand(batch)
         except BaseException:  # e.g. KeyboardInterrupt: finish or undo, never half
             if self.batch is batch:  # not handed: put the take back, let its thread serve
@@ -125,9 +129,10 @@ class Core:
                 head.hand(batch)
             raise
 
-    def take(self, num_required: Any, timeout: Any) -> Any:
+    def take(self, num_required: Any, timeout: Any, grace_period: Any = None) -> Any:
         take = Take(_args.check_num_required(num_required))
         timeout = _args.check_timeout(timeout)
+        take.grace = _args.check_grace_period(grace_period)
         if not self.takes.wait(take, timeout):
             raise TimeoutError(
                 f"take_grad({take.num_required}) timed out after {timeout} s with "

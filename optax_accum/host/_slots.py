@@ -2,9 +2,10 @@
 buffer holds, on the host, in NumPy.
 
 A batch's rows live in slots, in arrival order: `slot_ids[s]` is the row id in slot
-`s` and `row_counts[s]` how many accepted gradients touched it. `SlotHints` finds a
-gradient's slots in O(nnz) and `SlotHints.place` gives new row ids new slots;
-`sorted_slots` puts the slots in row-id order for a take. Sizes are bucketed to
+`s`, `row_counts[s]` how many accepted gradients touched it and `row_weights[s]` the
+sum of their weights. `SlotHints` finds a gradient's slots in O(nnz) and
+`SlotHints.place` gives new row ids new slots; `sorted_slots` puts the slots in row-id
+order for a take. Sizes are bucketed to
 powers of two (`bucket`), so the device kernels compile a bounded number of times.
 """
 
@@ -73,13 +74,16 @@ class SlotHints:
         self,
         slot_ids: np.ndarray,
         row_counts: np.ndarray,
+        row_weights: np.ndarray | None,
         unique: np.ndarray,
         inverse: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A batch's `slot_ids` and `row_counts` with the sorted `unique` row ids of one
-        gradient added, as new arrays (row ids it has no slot for get the next ones),
-        and the slot of each of the gradient's values (`inverse` as `unique_ids`
-        returns it)."""
+        weight: float | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """A batch's `slot_ids`, `row_counts` and `row_weights` (float32) with the sorted
+        `unique` row ids of one gradient of `weight` (None: 1) added, as new arrays (row
+        ids it has no slot for get the next ones), and the slot of each of the
+        gradient's values (`inverse` as `unique_ids` returns it). `row_weights` is None
+        while no gradient of the batch had a weight (they are then the counts)."""
         n = slot_ids.shape[0]
         slots = self.slots(unique, slot_ids)
         new = slots < 0
@@ -88,9 +92,15 @@ class SlotHints:
         ids = np.concatenate([slot_ids, unique[new]])
         counts = np.concatenate([row_counts, np.zeros(added, np.int64)])
         counts[slots] += 1
+        weights = row_weights
+        if weight is not None and weights is None:  # the first weight: so far, the counts
+            weights = row_counts.astype(np.float32)
+        if weights is not None:
+            weights = np.concatenate([weights, np.zeros(added, np.float32)])
+            weights[slots] += np.float32(1 if weight is None else weight)  # as in jit
         self.remember(unique[new], slots[new], ids)
         slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
-        return ids, counts, slot_of
+        return ids, counts, weights, slot_of
 
 
 def sorted_slots(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_accum import _sums
 from optax_accum.host import _args
 from optax_accum.host._core import Batch, Core, HostAccumulator
 from optax_accum.host._slots import SlotHints, bucket, sorted_slots, unique_ids
@@ -38,11 +39,18 @@ _MAX_UNSETTLED = 4  # scatters in flight at most
 # Module-level jits: every accumulator shares their compilation caches.
 
 
-def _fill(rows: jax.Array, fresh: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+def _fill(
+    rows: jax.Array,
+    fresh: jax.Array,
+    slots: jax.Array,
+    values: jax.Array,
+    weight: jax.Array | None,
+) -> jax.Array:
     """Zeroes the slots `fresh` (newly assigned: unused slots may hold anything), then
-    adds `values[i]` to `rows[slots[i]]`; slots out of range are padding, dropped."""
+    adds `weight * values[i]` (None: 1) to `rows[slots[i]]`; slots out of range are
+    padding, dropped."""
     rows = rows.at[fresh].set(jnp.zeros((), rows.dtype), mode="drop")
-    return rows.at[slots].add(values.astype(rows.dtype), mode="drop")
+    return rows.at[slots].add(_sums.weighted(values, weight, rows.dtype), mode="drop")
 
 
 _scatter_add = jax.jit(_fill, donate_argnums=0)
@@ -50,15 +58,21 @@ _scatter_add = jax.jit(_fill, donate_argnums=0)
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter_grow(
-    spare: jax.Array, rows: jax.Array, fresh: jax.Array, slots: jax.Array, values: jax.Array
+    spare: jax.Array,
+    rows: jax.Array,
+    fresh: jax.Array,
+    slots: jax.Array,
+    values: jax.Array,
+    weight: jax.Array | None,
 ) -> jax.Array:
     """`_scatter_add` into `spare`, a buffer with more slots, after copying `rows` in."""
     spare = jax.lax.dynamic_update_slice_in_dim(spare, rows.astype(spare.dtype), 0, axis=0)
-    return _fill(spare, fresh, slots, values)
+    return _fill(spare, fresh, slots, values, weight)
 
 
 def _divide(taken: jax.Array, counts: jax.Array, mean: bool, dtype: Any) -> jax.Array:
-    """`taken` with each row divided by its count under MEAN (padding counts are 1)."""
+    """`taken` with each row divided by its divisor under MEAN: its count, or the sum of
+    its weights (padding divisors are 1)."""
     if mean:
         taken = taken / counts.astype(taken.dtype).reshape((-1,) + (1,) * (taken.ndim - 1))
     return taken.astype(dtype)
@@ -96,25 +110,29 @@ def _merge_copy(
 class _Rows(NamedTuple):
     """One accepted gradient's rows: its sorted unique ids, where each value goes among
     them (None when the ids came sorted and unique), the values (padded to a bucketed
-    count), and how many of them are real."""
+    count), how many of them are real, and its weight (None: 1)."""
 
     unique: np.ndarray
     inverse: np.ndarray | None
     values: Any
     nnz: int
+    weight: float | None
 
 
 class SparseBatch(Batch):
     """Rows since the last take. `rows` (None until the first row) is the device buffer
     of `rows.shape[0]` slots, of which the first `len(slot_ids)` are used, in arrival
-    order: `slot_ids[s]` is the row id in slot `s` and `row_counts[s]` how many accepted
-    gradients touched it (MEAN divides by it). `values_shape` is fixed by the first
-    gradient until the take."""
+    order: `slot_ids[s]` is the row id in slot `s`, `row_counts[s]` how many accepted
+    gradients touched it and `row_weights[s]` the float32 sum of their weights, kept
+    once a gradient with rows came with a weight (None before). MEAN divides by the
+    count, or then by the weight sum. `values_shape` is fixed by the first gradient
+    until the take."""
 
     __slots__ = (
         "answer",
         "in_flight",
         "row_counts",
+        "row_weights",
         "rows",
         "slot_ids",
         "unsettled",
@@ -127,6 +145,7 @@ class SparseBatch(Batch):
         self.values_shape: tuple[int, ...] | None = None
         self.slot_ids = np.zeros(0, np.int64)
         self.row_counts = np.zeros(0, np.int64)
+        self.row_weights: np.ndarray | None = None  # while unweighted: the counts
         self.unsettled = 0  # scatters dispatched since the last wait
         self.in_flight: tuple[np.ndarray, ...] = ()  # staging buffers scatters may still read
         self.answer: tuple | None = None  # (indices, rows, n) once the take's gather is dispatched
@@ -148,8 +167,11 @@ class SparseCore(Core):
         """Whether `values` is finite; only asked under `skip_nonfinite` (it syncs)."""
         return bool(np.isfinite(np.asarray(jax.device_get(values), np.float32)).all())
 
-    def apply(self, indices: Any, values: Any, grad_shape: Any, local_step: Any) -> bool:
+    def apply(
+        self, indices: Any, values: Any, grad_shape: Any, local_step: Any, weight: Any = None
+    ) -> bool:
         step = _args.check_step("local_step", local_step)
+        weight = _args.check_weight(weight)
         ids, values = _args.check_sparse_grad(indices, values, grad_shape, self.shape, self.dtype)
         nnz = ids.shape[0]
         finite = self.finite(values) if self.skip_nonfinite else True
@@ -162,7 +184,7 @@ class SparseCore(Core):
                 _args.check_rows_like(values, batch.values_shape)
                 accepted = self.admit(step, finite)
                 if accepted:
-                    grad = _Rows(unique, inverse, values, nnz)
+                    grad = _Rows(unique, inverse, values, nnz, weight)
                     self._add_rows(batch, grad, staged, ours=not callers)
                     self.serve()
         finally:
@@ -181,7 +203,8 @@ class SparseCore(Core):
             return values, None, True
         if self.device.is_cpu and nnz and (nnz != padded or not isinstance(values, jax.Array)):
             staged = self.device.stage(np.asarray(values), padded)
-            return jax.device_put(staged, may_alias=True), staged, False
+            with self.device.precision():  # float64 stays float64
+                return jax.device_put(staged, may_alias=True), staged, False
         if nnz != padded:  # rows padded to a bucketed count
             grown = np.zeros((padded, *values.shape[1:]), values.dtype)
             grown[:nnz] = np.asarray(values)
@@ -193,7 +216,7 @@ class SparseCore(Core):
     ) -> None:
         """Adds one accepted gradient's rows to `batch` (lock held, in the accumulator's
         precision), changing it in one assignment once the kernel is dispatched."""
-        unique, _, values, nnz = grad
+        unique, _, values, nnz, _ = grad
         values_shape = (0, *values.shape[1:])
         if nnz == 0:
             batch.values_shape, batch.count = values_shape, batch.count + 1
@@ -202,14 +225,16 @@ class SparseCore(Core):
         try:
             if self._becomes_buffer(batch, grad, ours):  # no kernel
                 self.hints.remember(unique, np.arange(nnz, dtype=np.int32), unique)
-                new = (values, unique, np.ones(nnz, np.int64), values_shape, 0, batch.in_flight)
+                weights = None if grad.weight is None else np.ones(nnz, np.float32)
+                first = (values, unique, np.ones(nnz, np.int64), weights)
+                new = (*first, values_shape, 0, batch.in_flight)
             else:
-                out, slot_ids, counts, unsettled, waited = self._scatter(batch, grad)
+                out, slot_ids, counts, weights, unsettled, waited = self._scatter(batch, grad)
                 in_flight = batch.in_flight
                 if waited:  # the earlier scatters are done: their staging buffers are free
                     settled, in_flight = in_flight, ()
                 in_flight += (staged,) if staged is not None else ()
-                new = (out, slot_ids, counts, values_shape, unsettled, in_flight)
+                new = (out, slot_ids, counts, weights, values_shape, unsettled, in_flight)
             self._commit(batch, (*new, count))
         except BaseException:  # finish an update whose kernel ran, or drop a consumed batch
             if new is not None and batch.count != count:
@@ -220,8 +245,9 @@ class SparseCore(Core):
 
     def _becomes_buffer(self, batch: SparseBatch, grad: _Rows, ours: bool) -> bool:
         """Whether the gradient's values become the batch's buffer as they are: the
-        first rows since the take, sorted and unique, our own copy (its staging buffer,
-        if any, goes with it: never recycled) in the accumulator's dtype, and no taken
+        first rows since the take, sorted and unique, unweighted (or of weight 1), our
+        own copy (its staging buffer, if any, goes with it: never recycled) in the
+        accumulator's dtype, and no taken
         batch's buffer to fill. With a spare they go into it instead: a second gradient
         would grow a buffer of exactly their rows, in a kernel that XLA:CPU runs inline
         (0.6-0.9 ms under the lock)."""
@@ -229,6 +255,7 @@ class SparseCore(Core):
             batch.rows is None
             and self.spare is None
             and grad.inverse is None
+            and _args.kernel_weight(grad.weight) is None
             and ours
             and grad.values.dtype == self.acc_dtype
         )
@@ -237,9 +264,11 @@ class SparseCore(Core):
         """Dispatches the kernel adding a gradient's rows to the batch's buffer, growing
         it if they do not fit; returns the new buffer and bookkeeping, and whether it
         waited for the batch's earlier scatters first (lock held)."""
-        unique, inverse, values, nnz = grad
+        unique, inverse, values, nnz, weight = grad
         rows, known = batch.rows, batch.slot_ids.shape[0]
-        ids, counts, slot_of = self.hints.place(batch.slot_ids, batch.row_counts, unique, inverse)
+        ids, counts, weights, slot_of = self.hints.place(
+            batch.slot_ids, batch.row_counts, batch.row_weights, unique, inverse, weight
+        )
         grow = rows is None or ids.shape[0] > rows.shape[0]
         target = self._buffer(ids.shape[0], values.shape[1:]) if grow else rows
         # Index vectors as long as the (bucketed) values: padding points past the end.
@@ -251,13 +280,14 @@ class SparseCore(Core):
         if unsettled > _MAX_UNSETTLED:  # a few scatters in flight at most
             rows.block_until_ready()
             unsettled, waited = 0, True
+        scale = _args.kernel_weight(weight)
         if not grow:
-            out = _scatter_add(rows, fresh, per_value, values)
+            out = _scatter_add(rows, fresh, per_value, values, scale)
         elif rows is None:
-            out = _scatter_add(target, fresh, per_value, values)
+            out = _scatter_add(target, fresh, per_value, values, scale)
         else:
-            out = _scatter_grow(target, rows, fresh, per_value, values)
-        return out, ids, counts, unsettled, waited
+            out = _scatter_grow(target, rows, fresh, per_value, values, scale)
+        return out, ids, counts, weights, unsettled, waited
 
     def _buffer(self, n: int, row_shape: tuple[int, ...]) -> jax.Array:
         """A buffer of at least `n` slots of `row_shape` for a batch: a taken batch's, or
@@ -284,6 +314,7 @@ class SparseCore(Core):
             batch.rows,
             batch.slot_ids,
             batch.row_counts,
+            batch.row_weights,
             batch.values_shape,
             batch.unsettled,
             batch.in_flight,
@@ -330,10 +361,25 @@ class SparseCore(Core):
         indices = self.device.own(ids.astype(np.int32))
         if n == 0:
             return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), 0
-        counts = batch.row_counts[order]
+        return (
+            indices,
+            self._gather_rows(batch.rows, order, segments, self._divisors(batch, order, segments)),
+            n,
+        )
+
+    @staticmethod
+    def _divisors(batch: SparseBatch, order: np.ndarray, segments: np.ndarray | None) -> np.ndarray:
+        """What MEAN divides each row of the answer by: the number of gradients that
+        touched it (int64), or with weights their weight sum (float32; 1 where it is 0,
+        the row's sum being 0 too)."""
+        weighted = batch.row_weights is not None  # else every row's weights are its count
+        per_slot = batch.row_weights if weighted else batch.row_counts
+        divisors = per_slot[order]
         if segments is not None:  # a row id in several slots: their counts add up
-            counts = np.bincount(segments, weights=counts, minlength=n).astype(np.int64)
-        return indices, self._gather_rows(batch.rows, order, segments, counts), n
+            divisors = np.bincount(segments, weights=divisors).astype(per_slot.dtype)
+        if weighted:
+            divisors = np.where(divisors > 0, divisors, np.float32(1))
+        return divisors
 
     def _gather_rows(
         self, rows: jax.Array, order: np.ndarray, segments: np.ndarray | None, counts: np.ndarray
@@ -353,7 +399,7 @@ class SparseCore(Core):
         size = bucket(n)
         padded_order = np.zeros(size, np.int32)
         padded_order[:n] = order
-        padded_counts = np.ones(size, np.int32)
+        padded_counts = np.ones(size, np.float32 if counts.dtype == np.float32 else np.int32)
         padded_counts[: counts.shape[0]] = counts
         how = {"mean": self.mean, "dtype": self.dtype}
         if segments is None:
@@ -435,6 +481,8 @@ class SparseConditionalAccumulator(HostAccumulator):
         grad_values: Any,
         grad_shape: Any = None,
         local_step: int = 0,
+        *,
+        weight: Any = None,
     ) -> bool:
         """Offers a sparse gradient computed at `local_step`; returns whether accepted.
 
@@ -451,18 +499,27 @@ class SparseConditionalAccumulator(HostAccumulator):
           grad_shape: the gradient's dense shape (a sequence, or a NumPy or JAX
             integer vector), or None / empty.
           local_step: the global step the gradient was computed at.
+          weight: how much the gradient counts (not in TF): a non-negative, finite
+            real scalar; None means 1. Each of its rows adds `weight * row`, and MEAN
+            divides each row of the answer by the weight sum of the gradients that
+            touched it, as the functional `sparse_conditional_accumulator` does. A row
+            touched only by gradients of weight 0 comes back as zeros.
 
         Returns:
           True if accepted, False if dropped (stale, or non-finite under
           `skip_nonfinite`).
 
         Raises:
-          TypeError: for a wrong values dtype, non-integer indices or `local_step`.
-          ValueError: for any shape or index check above. Nothing changes.
+          TypeError: for a wrong values dtype, non-integer indices or `local_step`, a
+            non-real `weight`.
+          ValueError: for any shape or index check above, or a negative, infinite or
+            NaN `weight`. Nothing changes.
         """
-        return self._core.apply(grad_indices, grad_values, grad_shape, local_step)
+        return self._core.apply(grad_indices, grad_values, grad_shape, local_step, weight)
 
-    def apply_indexed_slices_grad(self, grad: IndexedSlices, local_step: int = 0) -> bool:
+    def apply_indexed_slices_grad(
+        self, grad: IndexedSlices, local_step: int = 0, *, weight: Any = None
+    ) -> bool:
         """`apply_grad` for an `IndexedSlices` gradient.
 
         Rows at the padding index (`grad.padding_index`: `dense_shape[0]`, or the
@@ -473,6 +530,7 @@ class SparseConditionalAccumulator(HostAccumulator):
         Args:
           grad: the gradient.
           local_step: the global step the gradient was computed at.
+          weight: as for `apply_grad`.
 
         Returns:
           True if accepted, False if dropped.
@@ -487,18 +545,26 @@ class SparseConditionalAccumulator(HostAccumulator):
             keep = np.asarray(jax.device_get(indices)) != grad.padding_index
             if not keep.all():
                 indices, values = np.asarray(indices)[keep], np.asarray(values)[keep]
-        return self._core.apply(indices, values, grad.dense_shape, local_step)
+        return self._core.apply(indices, values, grad.dense_shape, local_step, weight)
 
     def take_grad(
-        self, num_required: int, timeout: float | None = None
+        self,
+        num_required: int,
+        timeout: float | None = None,
+        *,
+        grace_period: float | None = None,
     ) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
         """Blocks until `num_required` gradients are in; returns their aggregate rows.
 
-        Served first come, first served, as `ConditionalAccumulator.take_grad`.
+        Served first come, first served, as `ConditionalAccumulator.take_grad`, with
+        the same `grace_period`.
 
         Args:
           num_required: a positive int, or a 0-d integer NumPy or JAX array.
-          timeout: seconds to wait at most; None or `float("inf")` waits forever.
+          timeout: seconds to wait for `num_required` gradients at most; None or
+            `float("inf")` waits forever.
+          grace_period: seconds to wait on once `num_required` gradients are in,
+            taking every gradient accepted by then; None or 0: none.
 
         Returns:
           `(indices, values, shape)`: sorted unique int32 row ids, their rows (MEAN
@@ -508,16 +574,22 @@ class SparseConditionalAccumulator(HostAccumulator):
         Raises:
           As `ConditionalAccumulator.take_grad`.
         """
-        return self._core.take(num_required, timeout)
+        return self._core.take(num_required, timeout, grace_period)
 
     def take_indexed_slices_grad(
-        self, num_required: int, timeout: float | None = None
+        self,
+        num_required: int,
+        timeout: float | None = None,
+        *,
+        grace_period: float | None = None,
     ) -> IndexedSlices:
         """`take_grad`, returning an `IndexedSlices`.
 
         Args:
           num_required: a positive int, or a 0-d integer NumPy or JAX array.
-          timeout: seconds to wait at most; None or `float("inf")` waits forever.
+          timeout: seconds to wait for `num_required` gradients at most; None or
+            `float("inf")` waits forever.
+          grace_period: as for `take_grad`.
 
         Returns:
           `IndexedSlices(indices, values, shape)` as `take_grad` returns them.
@@ -525,4 +597,4 @@ class SparseConditionalAccumulator(HostAccumulator):
         Raises:
           As `ConditionalAccumulator.take_grad`.
         """
-        return IndexedSlices(*self.take_grad(num_required, timeout))
+        return IndexedSlices(*self.take_grad(num_required, timeout, grace_period=grace_period))

@@ -11,6 +11,12 @@ arrival) hands it the batch of gradients; the taker then reduces that batch in i
 own thread. A take leaves the queue only by being handed its batch, failed
 (cancelled) or withdrawn by its own thread (deadline passed, or interrupted), so none
 is ever left waiting unserved.
+
+A take with a grace period is not handed its batch when its count is reached: it
+ripens instead (`grace_ends` is set, under the lock, and its thread woken), stays at
+the head of the queue while gradients keep arriving, and is handed the batch once the
+grace period has passed, by its own thread or by an apply after that. A ripe take no
+longer times out; cancelled or interrupted, it is withdrawn as any other.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from typing import Any
 class Take:
     """One waiting `take_grad`: it ends handed a batch or failed with an error."""
 
-    __slots__ = ("admitted", "batch", "error", "event", "num_required")
+    __slots__ = ("admitted", "batch", "error", "event", "grace", "grace_ends", "num_required")
 
-    def __init__(self, num_required: int) -> None:
+    def __init__(self, num_required: int, grace: float | None = None) -> None:
         self.num_required = num_required
+        self.grace = grace  # seconds to wait on once num_required is reached, or None
+        self.grace_ends: float | None = None  # the monotonic time it ends, once ripe
         self.event = threading.Event()
         self.admitted = False  # moved from the arrivals into the queue (lock held)
         self.batch: Any = None
@@ -37,6 +45,18 @@ class Take:
     @property
     def done(self) -> bool:
         return self.batch is not None or self.error is not None
+
+    def due(self) -> bool:
+        """Whether the take may be handed its batch now that its count is reached; if
+        it has a grace period, the first call starts it and wakes the take's thread to
+        wait it out (lock held)."""
+        if self.grace is None:
+            return True
+        if self.grace_ends is None:
+            self.event.set()  # first: interrupted after it, the thread starts it itself
+            self.grace_ends = time.monotonic() + self.grace
+            return False
+        return time.monotonic() >= self.grace_ends
 
     def hand(self, batch: Any) -> None:
         self.batch = batch
@@ -115,25 +135,30 @@ class TakeQueue:
         return cancelled
 
     def wait(self, take: Take, timeout: float | None) -> bool:
-        """Queues `take` and blocks until it is done (True) or `timeout` seconds pass.
+        """Queues `take` and blocks until it is done (True) or `timeout` seconds pass
+        before it ripens (False).
 
         On a timeout or an exception (KeyboardInterrupt included) the take is withdrawn
         unless it was served meanwhile, and the take behind it is served if it can be:
         a withdrawn take leaves no trace. A wake-up that finds the take not done means
-        an interrupted hand-off asked its thread to serve itself. Until the take is
-        admitted it wakes every few milliseconds to admit itself if the lock is free.
+        an interrupted hand-off asked its thread to serve itself, or the take ripened.
+        Until the take is admitted it wakes every few milliseconds to admit itself if
+        the lock is free.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._arrivals.append(take)
             self._serve_arrivals()
-            while True:
+            while not take.done:
+                if take.grace_ends is not None:  # ripe: no deadline any more
+                    self._sit_out_grace(take)
+                    continue
                 chunk = self._next_wait(take, deadline)
                 if chunk is None:
-                    break
-                if take.event.wait(chunk):
-                    if self._woken(take):
-                        return True
+                    if self._withdraw(take, unless_ripe=True):
+                        break
+                elif take.event.wait(chunk):
+                    self._woken(take)
                 elif not take.admitted:
                     self._serve_arrivals()
         finally:
@@ -155,25 +180,35 @@ class TakeQueue:
             remaining = threading.TIMEOUT_MAX
         return remaining if take.admitted else min(remaining, _ADMIT_POLL)
 
-    def _woken(self, take: Take) -> bool:
-        """After the take's event is set: whether the take is done. If not, an
-        interrupted hand-off asked its thread to serve it: it does, under the lock."""
+    def _woken(self, take: Take) -> None:
+        """After the take's event is set: if it is not done, an interrupted hand-off
+        asked its thread to serve it, or it ripened: it serves, under the lock."""
         if take.done:  # set before the event: no need to contend for the lock
-            return True
+            return
         with self._lock:
-            if take.done:
-                return True
-            take.event.clear()
-            self._serve()
-        return False
+            if not take.done:
+                take.event.clear()
+                self._serve()
 
-    def _withdraw(self, take: Take) -> None:
+    def _sit_out_grace(self, take: Take) -> None:
+        """Waits for a ripe take's grace period to end (or for it to be served or
+        cancelled meanwhile), then serves it under the lock."""
+        remaining = min(take.grace_ends - time.monotonic(), threading.TIMEOUT_MAX)
+        if remaining > 0 and take.event.wait(remaining) and take.done:
+            return
+        self._woken(take)
+
+    def _withdraw(self, take: Take, unless_ripe: bool = False) -> bool:
         """Takes an unserved `take` out of the queue, serving the one behind it if it
-        was the head."""
+        was the head; with `unless_ripe`, a take that has reached its count stays (its
+        deadline no longer applies). Returns whether it is out, unserved."""
         with self._lock:
             self._admit()
-            if not take.done and take in self._takes:
+            if take.done or (unless_ripe and take.grace_ends is not None):
+                return False
+            if take in self._takes:
                 was_head = self.head() is take
                 self._takes.remove(take)
                 if was_head:
                     self._serve()
+            return True
