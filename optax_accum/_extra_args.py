@@ -167,6 +167,27 @@ def read_weight() -> None:
         read[0] = True
 
 
+# The closure `warning_on_unread_weight` returns reaches `_WEIGHT_READ` only through
+# these module-level functions: cloudpickle (Ray) pickles a closure's globals by value,
+# and a ContextVar cannot be pickled, while a module's functions go by reference.
+
+
+def _weight_watched() -> bool:
+    """Whether an enclosing update already watches for a read of `weight`."""
+    return _WEIGHT_READ.get() is not None
+
+
+@contextlib.contextmanager
+def _watching_weight() -> Iterator[list[bool]]:
+    """Watches for `read_weight` while the block runs; the flag says whether it came."""
+    read = [False]
+    token = _WEIGHT_READ.set(read)
+    try:
+        yield read
+    finally:
+        _WEIGHT_READ.reset(token)
+
+
 def warning_on_unread_weight(
     name: str, tx: optax.GradientTransformationExtraArgs
 ) -> optax.GradientTransformationExtraArgs:
@@ -185,14 +206,10 @@ def warning_on_unread_weight(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
-        if extra_args.get("weight") is None or _WEIGHT_READ.get() is not None:
+        if extra_args.get("weight") is None or _weight_watched():
             return tx.update(updates, state, params, **extra_args)
-        read = [False]
-        token = _WEIGHT_READ.set(read)
-        try:
+        with _watching_weight() as read:
             result = tx.update(updates, state, params, **extra_args)
-        finally:
-            _WEIGHT_READ.reset(token)
         if not read[0] and not _for_shapes_only(sys._getframe(0)):
             warnings.warn(
                 f"extra argument 'weight' reaches {name}, which does not weight "

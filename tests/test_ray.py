@@ -19,6 +19,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import psutil
 import pytest
 
@@ -518,3 +519,35 @@ def test_four_asynchronous_workers_and_a_chief_match_the_in_process_accumulator(
     assert np.mean((x @ params - y) ** 2) < np.mean(y**2)  # it learned
     acc.kill()
     ray.kill(board)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax_accum.conditional_accumulator(optax.sgd(0.1), 2),
+        lambda: optax_accum.drop_stale_gradients(optax.sgd(0.1), 2),
+        lambda: optax_accum.drop_stale_gradients(
+            optax_accum.conditional_accumulator(optax.sgd(0.1), 2), 2
+        ),
+        lambda: optax_accum.agn(optax.sgd(0.1), 2),
+        lambda: optax_accum.sparse_conditional_accumulator(
+            optax_accum.sparse_sgd(0.1), 2, capacity=4
+        ),
+    ],
+    ids=["conditional_accumulator", "drop_stale", "drop_stale_of_accumulator", "agn", "sparse"],
+)
+def test_a_transform_travels_to_ray_actors_by_cloudpickle(make):
+    """Ray sends what an actor's methods close over (a `tx` built in the driver's
+    `__main__`) by cloudpickle; the unpickled transform steps as the original does."""
+    from ray import cloudpickle
+
+    tx = make()
+    copy = cloudpickle.loads(cloudpickle.dumps(tx))
+    params, grad = jnp.zeros((4, 2)), jnp.ones((4, 2))
+    for t in (tx, copy):
+        state = t.init(params)
+        for _ in range(2):
+            updates, state = t.update(grad, state, params, local_step=0, weight=1.0)
+        if t is tx:
+            expected = updates
+    np.testing.assert_array_equal(updates, expected)
