@@ -123,13 +123,18 @@ def sum_types(x: Any) -> tuple[frozenset, frozenset]:
     )
 
 
+def has_sum_types() -> bool:
+    """Whether the running jax has reduced and unreduced sharding types (0.10 on)."""
+    return hasattr(jax.sharding.PartitionSpec(), "unreduced") and hasattr(lax, "pcast")
+
+
 def require_sum_types() -> None:
     """Raises unless the running jax has reduced and unreduced sharding types.
 
     Raises:
       RuntimeError: naming the jax version found.
     """
-    if not hasattr(jax.sharding.PartitionSpec(), "unreduced") or not hasattr(lax, "pcast"):
+    if not has_sum_types():
         raise RuntimeError(
             "unreduced gradients need jax's reduced and unreduced sharding types "
             f"(jax 0.10 or newer), which jax {jax.__version__} does not have"
@@ -273,6 +278,7 @@ __all__ = [
     "mesh_context",
     "pcast_varying",
     "replicated_under_auto",
+    "has_sum_types",
     "require_sum_types",
     "retyped",
     "sharding_of",

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import optax_accum
-
-HAS_TYPES = hasattr(jax.sharding.PartitionSpec(), "unreduced") and hasattr(jax.lax, "pcast")
+from optax_accum import _compat
 
 
 def _mesh() -> jax.sharding.Mesh:
@@ -22,7 +21,7 @@ def test_as_reduced_types_the_params_or_names_the_jax_it_needs():
     mesh = _mesh()
     with jax.set_mesh(mesh):
         params = {"w": jnp.ones((4, 2))}
-        if not HAS_TYPES:
+        if not _compat.has_sum_types():
             with pytest.raises(RuntimeError, match=r"jax 0\.10 or newer.*" + jax.__version__):
                 optax_accum.as_reduced(params, "data")
             return
@@ -36,7 +35,7 @@ def test_unreduced_grad_or_names_the_jax_it_needs():
     with jax.set_mesh(mesh):
         params = {"w": jnp.ones((4, 2))}
         x = jax.device_put(jnp.ones((8, 4)), jax.sharding.PartitionSpec("data"))
-        if not HAS_TYPES:
+        if not _compat.has_sum_types():
             with pytest.raises(RuntimeError, match=r"jax 0\.10 or newer.*" + jax.__version__):
                 jax.jit(optax_accum.unreduced_grad(loss, "data"))(params, x)
             return
