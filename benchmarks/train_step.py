@@ -103,7 +103,7 @@ def model(name: str, quick: bool, batch: int | None = None) -> tuple[nn.Module, 
     if name == "mlp":
         widths, size, features = ((32, 16, 10), 4, 16) if quick else ((2048, 1024, 10), 64, 784)
         x = jax.random.normal(kx, (batch or size, features))
-        return MLP(widths), (x, jax.random.randint(ky, (batch,), 0, widths[-1])), _classify
+        return MLP(widths), (x, jax.random.randint(ky, x.shape[:1], 0, widths[-1])), _classify
     d, heads, hidden, size, length = (16, 2, 32, 2, 8) if quick else (512, 8, 2048, 4, 64)
     x = jax.random.normal(kx, (batch or size, length, d))
     return Block(heads, hidden), (x, jax.random.normal(ky, x.shape)), _regress

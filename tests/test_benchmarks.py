@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -117,6 +119,17 @@ def test_train_step_benchmark_refuses_an_empty_batch():
         timeout=120,
     )
     assert run.returncode == 2 and "--batch must be at least 1, got 0" in run.stderr
+
+
+@pytest.mark.parametrize("batch", [None, 3])
+@pytest.mark.parametrize("name", ["mlp", "block"])
+def test_train_step_models_take_their_default_or_a_given_batch(name, batch):
+    """The models' batches, at the sizes the full run uses (the quick run builds only
+    the tiny block): labels and targets match the inputs' batch size."""
+    from benchmarks.train_step import model
+
+    _, (x, y), _ = model(name, quick=False, batch=batch)
+    assert x.shape[0] == y.shape[0] == (batch or {"mlp": 64, "block": 4}[name])
 
 
 def test_compile_time_lists_where_xla_spends_its_compile_time(tmp_path):
