@@ -155,8 +155,9 @@ def retyped(
     unreduced axes is the all-reduce that sums the devices' partial sums. `x` comes back
     as it is when its type already says so, or when it has no explicit sharding and
     nothing is asked. The concrete mesh of a placed array is used when it has one, so
-    this works eagerly outside `jax.set_mesh` too. A scalar without a mesh (a constant
-    made in the program) takes the mesh of `like`.
+    this works eagerly outside `jax.set_mesh` too. A value without a mesh takes `like`'s:
+    a scalar (a constant made in the program) replicated, a value of `like`'s shape in
+    `like`'s layout.
 
     Raises:
       ValueError: when reduced or unreduced axes are asked of a value that has no
@@ -166,12 +167,17 @@ def retyped(
     if sum_types(x) == (reduced, unreduced):
         return x
     sharding = explicit_sharding(jax.typeof(x))
-    if sharding is None and like is not None and jax.numpy.ndim(x) == 0:
-        # A scalar made inside the program (a constant) takes `like`'s mesh, replicated.
-        sharding = explicit_sharding(jax.typeof(like))
-        sharding = sharding and jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec()
-        )
+    if sharding is None and like is not None:
+        # A value made inside the program without a mesh takes `like`'s: a scalar (a
+        # constant) replicated, a value of `like`'s shape in its layout (jax 0.11 gives
+        # what `jnp.zeros_like` makes no mesh when jit runs outside `jax.set_mesh`).
+        like_sharding = explicit_sharding(jax.typeof(like))
+        if like_sharding is not None and jax.numpy.ndim(x) == 0:
+            sharding = jax.sharding.NamedSharding(
+                like_sharding.mesh, jax.sharding.PartitionSpec()
+            )
+        elif like_sharding is not None and jax.numpy.shape(x) == jax.numpy.shape(like):
+            sharding = like_sharding
     if sharding is None or not hasattr(sharding.spec, "unreduced"):
         raise ValueError(
             f"optax_accum cannot type a value reduced over {sorted(reduced)} or unreduced "

@@ -42,7 +42,7 @@ def sum_zeros(param: Any, dtype: Any) -> jax.Array:
     reduced, _ = _compat.sum_types(param)
     if not reduced:
         return zeros
-    return _compat.retyped(zeros, unreduced=reduced)
+    return _compat.retyped(zeros, unreduced=reduced, like=param)
 
 
 def zeros_like(x: jax.Array) -> jax.Array:
