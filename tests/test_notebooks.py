@@ -1,5 +1,5 @@
 """Every notebook in colab/ is its percent-format script, stored clean, and runs top to
-bottom (nbclient) on 1 and on 8 devices.
+bottom (nbclient), on 8 devices and, where its own code follows the device count, on 1.
 
 The scripts colab/*.py are the notebooks' source; `jupytext --update --to ipynb
 colab/*.py` writes the .ipynb files from them. Each .ipynb must hold its script's cells
@@ -167,9 +167,13 @@ def test_colab_install_without_a_source_says_what_to_upload(tmp_path):
     assert not calls
 
 
-# Each notebook on 1 and on 8 devices; ray_async_workers on 1 only: its workers are
-# Ray processes whatever the devices, and a run starts a Ray cluster (tens of seconds).
-RUNS = [(p, d) for p in NOTEBOOKS for d in (1, 8) if not (p.stem == "ray_async_workers" and d == 8)]
+# Each notebook on 8 devices (a TPU v2-8's cores), and the data-parallel one on 1 too (a
+# GPU or a single chip: its replicas and its global batch follow the device count; the
+# others' device-count paths are the library's, which its tests cover on 1 device and
+# on 8). ray_async_workers on 1 only: its workers are Ray processes whatever the
+# devices, and a run starts a Ray cluster (tens of seconds).
+RUNS = [(p, 1 if p.stem == "ray_async_workers" else 8) for p in NOTEBOOKS]
+RUNS += [(p, 1) for p in NOTEBOOKS if p.stem == "data_parallel_cross_shard"]
 
 
 @pytest.mark.parametrize(("path", "devices"), RUNS, ids=[f"{p.stem}-{d}" for p, d in RUNS])
