@@ -260,7 +260,7 @@ def report_rows(scale: Any) -> tuple[list, dict]:
     from benchmarks._report import Row
 
     if scale.quick:
-        report, per_seed, long = run(32, 8, seeds=(0,), cost_size=20_000, cost_rounds=2)
+        report, per_seed, long = run(16, 8, seeds=(0,), cost_size=20_000, cost_rounds=1)
     else:
         report, per_seed, long = run()
     methods_ = report["methods"]

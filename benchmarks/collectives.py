@@ -217,7 +217,7 @@ def report_rows(scale: Any) -> tuple[list, dict]:
     JAX emits on every step and on a release, and the time against per-leaf float32."""
     from benchmarks._report import Row
 
-    out = run(20, 1, 1) if scale.quick else run()
+    out = run(4, 1, 1) if scale.quick else run()
     rows = []
     for name, r in out["rows"].items():
         every, taken = r["emitted"]["every_step"], r["emitted"]["when_taken"]

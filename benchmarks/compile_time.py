@@ -305,11 +305,11 @@ def run(
 
 def report_rows(scale: Any) -> tuple[list, dict]:
     """The figures for `python -m benchmarks`: per transform, its trace, lower and
-    compile time over MultiSteps' (12 leaves and no reference rows with `scale.quick`)."""
+    compile time over MultiSteps' (3 leaves and no reference rows with `scale.quick`)."""
     from benchmarks._report import Row
 
     # One round on an accelerator, whose time is short and whose host is not shared.
-    leaves, rounds = (12, 1) if scale.quick else (LEAVES, 1 if scale.accelerator else 2)
+    leaves, rounds = (3, 1) if scale.quick else (LEAVES, 1 if scale.accelerator else 2)
     # A quick run checks our transforms; the references hold no code of ours.
     names = [n for n in TRANSFORMS if not (scale.quick and n in REFERENCES)]
     report = run(leaves, rounds, names, progress=lambda it: scale.progress(it, desc="compile_time"))
