@@ -6,6 +6,10 @@
 - it works inside `jax.lax.scan`, `optax.chain` and `optax.inject_hyperparams`;
 - a NaN in a held or dropped gradient never reaches the updates, and a dropped one
   never reaches the state.
+
+Every property for every case, except that a case which is another one with an axis
+name and nothing else (`AXIS_TWINS`) leaves the extra-argument, chain and
+inject_hyperparams tests to that one (see `AXIS_TWINS` for why).
 """
 
 from __future__ import annotations
@@ -39,6 +43,22 @@ def case(request) -> Case:
     return request.param
 
 
+# Two cases are their namesake with an axis_name and nothing else: the same update,
+# where the axis only adds the psums of the reduction. How the extra arguments are
+# forwarded and how the transform nests in `optax.chain` or `optax.inject_hyperparams`
+# is not that reduction, so those tests run the namesake alone (the shared cases run
+# in those wrappers in test_train_step.py). agn_delta_shared and
+# drop_stale_gradients_shared differ from their namesakes in more than the axis.
+AXIS_TWINS = {
+    "conditional_accumulator_shared": "conditional_accumulator",
+    "sparse_conditional_accumulator_shared": "sparse_conditional_accumulator",
+}
+WITHOUT_AXIS_TWINS = [c for c in CASES if c.name not in AXIS_TWINS]
+without_axis_twins = pytest.mark.parametrize(
+    "case", WITHOUT_AXIS_TWINS, ids=[c.name for c in WITHOUT_AXIS_TWINS]
+)
+
+
 def test_cases_cover_every_exported_transform():
     """Each exported transform factory appears in at least one Case."""
     factories = {
@@ -52,8 +72,27 @@ def test_cases_cover_every_exported_transform():
     exported = factories & set(optax_accum.__all__)
     covered = {f for f in exported for c in CASES if c.name.startswith(f)}
     assert covered == exported
+    # Each axis twin left out of some tests has its namesake in them.
+    names = {c.name for c in WITHOUT_AXIS_TWINS}
+    assert all(twin in names and twin not in AXIS_TWINS for twin in AXIS_TWINS.values())
 
 
+def test_axis_twins_differ_only_by_the_axis():
+    """The same parameters, gradients, tags and apply (their `make` differs only in
+    the axis name and the sizes that scale with the replicas)."""
+    by_name = {c.name: c for c in CASES}
+    for shared, twin in AXIS_TWINS.items():
+        a, b = by_name[shared], by_name[twin]
+        assert a.needs_axis and not b.needs_axis
+        assert (a.params, a.grads, a.extra_args, a.apply_updates) == (
+            b.params,
+            b.grads,
+            b.extra_args,
+            b.apply_updates,
+        )
+
+
+@without_axis_twins
 def test_unknown_extra_argument_passes_through(case):
     def with_unknown(i):
         return {**case.extra_args(i), "unknown_extra_arg": jnp.float32(i)}
@@ -64,7 +103,11 @@ def test_unknown_extra_argument_passes_through(case):
     _assert_trees_close(params, expected, rtol=0, atol=0)
 
 
-def test_second_call_does_not_recompile(case):
+def test_second_call_does_not_recompile_and_update_keeps_state_structure_shapes_and_dtypes(
+    case,
+):
+    """One compiled step for both properties (they were two tests, two compiles): the
+    runs of 1, 2, 3 and 4 steps trace `update` once, and keep the state's avals."""
     traces = []
     tx = case.make("replicas" if case.needs_axis else None)
 
@@ -76,16 +119,11 @@ def test_second_call_does_not_recompile(case):
         return update
 
     wrapped = optax.GradientTransformationExtraArgs(tx.init, counted(tx.update))
-    run(case, 3, tx=wrapped)
-    assert len(traces) == 1
-
-
-def test_update_keeps_state_structure_shapes_and_dtypes(case):
-    tx = case.make("replicas" if case.needs_axis else None)
     before = _avals(tx.init(case.params()))
-    for steps in (1, 2, 4):
-        _, state = run(case, steps, tx=tx)
-        assert _avals(state) == before
+    for steps in (1, 2, 3, 4):
+        _, state = run(case, steps, tx=wrapped)
+        assert _avals(state) == before, f"{steps} steps"
+    assert len(traces) == 1
 
 
 def test_works_inside_scan(case):
@@ -103,6 +141,7 @@ def _has_step_state(state) -> bool:
     return True
 
 
+@without_axis_twins
 def test_works_inside_chain(case):
     axis = "replicas" if case.needs_axis else None
     tx = optax.chain(optax.identity(), case.make(axis), optax.scale(1.0))
@@ -113,6 +152,7 @@ def test_works_inside_chain(case):
         assert int(optax_accum.global_step(state)) == int(optax_accum.global_step(expected_state))
 
 
+@without_axis_twins
 def test_works_inside_inject_hyperparams(case):
     axis = "replicas" if case.needs_axis else None
 

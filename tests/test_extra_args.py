@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _matrix import pairwise
 
 import optax_accum
 
@@ -271,9 +272,12 @@ def _step_once(transform: str, tx: Any, entry: str, **extra: Any) -> np.ndarray:
     return np.asarray(jax.jit(step)(GRAD, PARAMS))
 
 
-@pytest.mark.parametrize("entry", ["canonical", "apply_gradients"])
-@pytest.mark.parametrize("inner", list(INNERS))
-@pytest.mark.parametrize("transform", list(TRANSFORMS))
+# Every transform with every inner (how each forwards to each kind of inner), each of
+# them through both entry points: pairwise, not the 60 of the full product.
+REACH = pairwise(list(TRANSFORMS), list(INNERS), ["canonical", "apply_gradients"])
+
+
+@pytest.mark.parametrize(("transform", "inner", "entry"), REACH, ids=["-".join(r) for r in REACH])
 def test_extra_args_reach_an_inner_that_takes_them(transform, inner, entry):
     tx = TRANSFORMS[transform](INNERS[inner]())
     params = _step_once(transform, tx, entry, scale=3.0, local_step=0)

@@ -38,7 +38,18 @@ def _params(dtype=jnp.float32) -> dict:
 
 
 def _grads(i: int, params: dict) -> dict:
-    return jax.tree.map(lambda p: jnp.sin(jnp.ones_like(p) * (i + 1) + p * 3.0), params)
+    """sin(i + 1 + 3 p), leafwise. Computed on all leaves at once, concatenated: op by
+    op on each leaf compiled a kernel per op, leaf shape and dtype (the same values,
+    bit for bit; only the number of compiles differs)."""
+    leaves, tree = jax.tree.flatten(params)
+    host = [np.asarray(p) for p in leaves]
+    x = jnp.asarray(np.concatenate([h.ravel() for h in host]))
+    g = np.asarray(jnp.sin(jnp.ones_like(x) * (i + 1) + x * 3.0))
+    ends = np.cumsum([h.size for h in host])
+    parts = np.split(g, ends[:-1])
+    return jax.tree.unflatten(
+        tree, [jnp.asarray(v.reshape(h.shape)) for v, h in zip(parts, host, strict=True)]
+    )
 
 
 def _canonical(tx, params, state, grads, extra):
@@ -62,32 +73,34 @@ def _train(tx, steps: int, *, step=_canonical, dtype=jnp.float32, extra=lambda i
     return params, state
 
 
-@pytest.mark.parametrize("pattern", sorted(STEPS))
 @pytest.mark.parametrize("depth", [2, 3])
-def test_accumulators_k_deep_are_multisteps_of_the_product(depth, pattern):
+def test_accumulators_k_deep_are_multisteps_of_the_product(depth):
+    """Both step patterns (canonical and apply_gradients) against one pair of
+    references (one level with the product, MultiSteps), trained once per depth."""
     with _compat.enable_x64():
-        tx = adam(0.05)
-        for n in (2, 3, 2)[:depth]:
-            tx = CA(tx, n)
         every = int(np.prod((2, 3, 2)[:depth]))
         steps = 2 * every + 1  # two releases, then one held step
-        got, state = _train(tx, steps, step=STEPS[pattern], dtype=jnp.float64)
         flat, _ = _train(CA(adam(0.05), every), steps, dtype=jnp.float64)
         # MultiSteps keeps its running mean with float32 weights: ~1e-9 off in float64.
         multisteps = lenient(optax.MultiSteps(optax.adam(0.05), every))
         want, _ = _train(multisteps, steps, dtype=jnp.float64)
-        for k in want:
-            np.testing.assert_allclose(got[k], flat[k], rtol=1e-12, atol=1e-14)
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-7, atol=1e-9)
-            assert not np.allclose(got[k], _params(jnp.float64)[k])  # the steps moved it
-        outermost = (2, 3, 2)[depth - 1]
-        assert int(optax_accum.global_step(state)) == steps // outermost
+        for pattern in sorted(STEPS):
+            tx = adam(0.05)
+            for n in (2, 3, 2)[:depth]:
+                tx = CA(tx, n)
+            got, state = _train(tx, steps, step=STEPS[pattern], dtype=jnp.float64)
+            for k in want:
+                np.testing.assert_allclose(got[k], flat[k], rtol=1e-12, atol=1e-14, err_msg=pattern)
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-7, atol=1e-9, err_msg=pattern)
+                assert not np.allclose(got[k], _params(jnp.float64)[k])  # the steps moved it
+            outermost = (2, 3, 2)[depth - 1]
+            assert int(optax_accum.global_step(state)) == steps // outermost, pattern
 
 
-@pytest.mark.parametrize("pattern", sorted(STEPS))
-def test_drop_stale_around_an_accumulator_drops_and_passes(pattern):
+def test_drop_stale_around_an_accumulator_drops_and_passes():
     """Tags lag by 0, 1 or 2 behind drop_stale's step; staleness 1 drops lag 2. The
-    accepted gradients go to the accumulator, fresh by its own step."""
+    accepted gradients go to the accumulator, fresh by its own step. Both step
+    patterns (canonical and apply_gradients) against one jitted reference run."""
     lags = [0, 1, 2, 0, 0, 2, 1, 0]
 
     def tag(i, state):
@@ -95,20 +108,24 @@ def test_drop_stale_around_an_accumulator_drops_and_passes(pattern):
 
     with _compat.enable_x64():
         inner = functools.partial(CA, adam(0.05), 2)
-        got, state = _train(
-            DS(inner(), 1), len(lags), step=STEPS[pattern], dtype=jnp.float64, extra=tag
-        )
         # The same gradients, those of lag 2 left out, straight into the accumulator.
         params = _params(jnp.float64)
         ref_tx = inner()
         ref_state = ref_tx.init(params)
+        ref_step = jax.jit(functools.partial(_canonical, ref_tx))
         for i, lag in enumerate(lags):
             if lag <= 1:
-                params, ref_state = _canonical(ref_tx, params, ref_state, _grads(i, params), {})
-        for k in params:
-            np.testing.assert_allclose(got[k], params[k], rtol=1e-12, atol=1e-14)
-        assert int(state.num_dropped) == lags.count(2)
-        assert int(optax_accum.num_accumulated(state)) == int(ref_state.count)
+                params, ref_state = ref_step(params, ref_state, _grads(i, params), {})
+        for pattern in sorted(STEPS):
+            got, state = _train(
+                DS(inner(), 1), len(lags), step=STEPS[pattern], dtype=jnp.float64, extra=tag
+            )
+            for k in params:
+                np.testing.assert_allclose(
+                    got[k], params[k], rtol=1e-12, atol=1e-14, err_msg=pattern
+                )
+            assert int(state.num_dropped) == lags.count(2), pattern
+            assert int(optax_accum.num_accumulated(state)) == int(ref_state.count), pattern
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -214,6 +231,7 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
             if pattern == "apply_gradients"
             else lambda tx, p, s, g, e: _sparse_canonical(tx, p, s, g, e)
         )
+    inner_type = type(INNERS[inner]().init(_params()))
     results = []
     for wrap in (lambda tx: tx, lambda tx: optax.chain(tx)):
         tx = DS(wrap(INNERS[inner]()), 2)
@@ -225,11 +243,14 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
             tag = optax_accum.global_step(state) - lag
             grads = _grads(i, params)
             if inner.startswith("sparse"):  # rows i % 3 and 2 of w0, row 2 twice
-                rows = jnp.array([i % 3, 2, 2])
-                grads["w0"] = optax_accum.IndexedSlices(rows, grads["w0"][rows], grads["w0"].shape)
+                rows = np.array([i % 3, 2, 2], np.int32)
+                values = jnp.asarray(np.asarray(grads["w0"])[rows])  # gathered on the host
+                grads["w0"] = optax_accum.IndexedSlices(
+                    jnp.asarray(rows), values, grads["w0"].shape
+                )
             params, state = run(params, state, grads, {"local_step": tag})
             inner_state = state.inner_state
-            if not isinstance(inner_state, type(INNERS[inner]().init(_params()))):
+            if not isinstance(inner_state, inner_type):
                 inner_state = inner_state[0]  # inside the chain
             trace.append((params, state._replace(inner_state=inner_state)))
         results.append(trace)

@@ -6,6 +6,8 @@ opt_state, params)` matches `updates, opt_state = tx.update(...); params =
 apply_updates(params, updates)`: the transform alone, last in an `optax.chain`,
 inside `optax.inject_hyperparams`, and followed by another transform (where it cannot
 fuse and must fall back). A held step leaves the parameters bit for bit as they were.
+Every case runs alone; the other contexts run one case of each transform family
+(`CONTEXT_CASES` says which, and why that covers every path).
 """
 
 from __future__ import annotations
@@ -96,9 +98,48 @@ def _assert_close(a, b):
         )
 
 
-@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+# Which (case, context) pairs run. Each is two compiles (canonical and fused), so not
+# all 11 x 4: every case runs alone (the transform's own fused step, and the held-step
+# check); each other context runs one case of each transform family (conditional,
+# sparse, agn, cross_shard, drop_stale). In the two contexts where the step fuses
+# (last_in_chain, inject_hyperparams) each fusing family (conditional, sparse,
+# drop_stale) runs once with a bound axis and once without (the vmapped sink is another
+# path), and each such context has both; followed_by_scale is the fallback, taken the
+# same way by every case. agn and cross_shard never fuse: apply_gradients is their
+# canonical step in any context.
+CONTEXT_CASES = {
+    "last_in_chain": [
+        "conditional_accumulator_shared",
+        "sparse_conditional_accumulator",
+        "agn",
+        "cross_shard_packed",
+        "drop_stale_gradients_shared",
+    ],
+    "inject_hyperparams": [
+        "conditional_accumulator_sum_schedule",
+        "sparse_conditional_accumulator_shared",
+        "agn_delta_shared",
+        "cross_shard_optimizer_groups_sum",
+        "drop_stale_gradients",
+    ],
+    "followed_by_scale": [
+        "conditional_accumulator",
+        "sparse_conditional_accumulator",
+        "agn",
+        "cross_shard_packed",
+        "drop_stale_gradients_shared",
+    ],
+}
+_BY_NAME = {c.name: c for c in CASES}
+MATRIX = [(c, "alone") for c in CASES] + [
+    (_BY_NAME[name], wrapper) for wrapper, names in CONTEXT_CASES.items() for name in names
+]
+
+
+@pytest.mark.parametrize(("case", "wrapper"), MATRIX, ids=[f"{c.name}-{w}" for c, w in MATRIX])
 def test_apply_gradients_matches_the_canonical_step(case, wrapper):
+    """Alone, a held or dropped step of the fused run also leaves the params bit for
+    bit as they were (checked on this run: it needs no compile of its own)."""
     tx = WRAPPERS[wrapper](case.make("replicas" if case.needs_axis else None))
     canonical = _run(case, tx, functools.partial(_canonical, case=case))
     fused = _run(case, tx, _fused)
@@ -107,21 +148,38 @@ def test_apply_gradients_matches_the_canonical_step(case, wrapper):
             _assert_close(got, want)
         except AssertionError as e:
             raise AssertionError(f"step {i}: {e}") from None
+    if wrapper == "alone":
+        _assert_held_steps_keep_params_bit_for_bit(case, fused)
 
 
-@pytest.mark.parametrize(
-    "case", [c for c in CASES if c.hold_step(0) or c.drop_step(2)], ids=lambda c: c.name
-)
-def test_a_held_step_leaves_params_bit_for_bit(case):
-    tx = case.make("replicas" if case.needs_axis else None)
-    history = _run(case, tx, _fused)
+def test_the_matrix_runs_every_case_alone_and_every_family_in_every_context():
+    assert sorted(c.name for c, w in MATRIX if w == "alone") == sorted(CASE_IDS)
+    families = ("conditional", "sparse", "agn", "cross_shard", "drop_stale")
+    assert all(c.name.startswith(families) for c in CASES)
+    for wrapper in WRAPPERS:
+        names = [c.name for c, w in MATRIX if w == wrapper]
+        assert all(any(n.startswith(f) for n in names) for f in families), wrapper
+    fused = [(c, w) for c, w in MATRIX if w in ("last_in_chain", "inject_hyperparams")]
+    fusing = ("conditional", "sparse", "drop_stale")
+    for family in fusing:  # with and without an axis, over the fused contexts
+        assert {c.needs_axis for c, _ in fused if c.name.startswith(family)} == {True, False}
+    for wrapper in ("last_in_chain", "inject_hyperparams"):  # and in each of them
+        assert {c.needs_axis for c, w in fused if w == wrapper and c.name.startswith(fusing)} == {
+            True,
+            False,
+        }
+
+
+def _assert_held_steps_keep_params_bit_for_bit(case, history):
     params = [case.params()] + [p for p, _ in history]
-    for i in range(STEPS):
-        if case.hold_step(i) or case.drop_step(i):
-            for before, after in zip(
-                jax.tree.leaves(params[i]), jax.tree.leaves(params[i + 1]), strict=True
-            ):
-                np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+    held = [i for i in range(STEPS) if case.hold_step(i) or case.drop_step(i)]
+    for i in held:
+        for before, after in zip(
+            jax.tree.leaves(params[i]), jax.tree.leaves(params[i + 1]), strict=True
+        ):
+            np.testing.assert_array_equal(
+                np.asarray(before), np.asarray(after), err_msg=f"held step {i}"
+            )
 
 
 def test_apply_gradients_of_a_plain_optax_optimizer_is_the_optax_step():
