@@ -14,6 +14,9 @@ write the step (benchmarks/README.md has the timings):
 On every call of such a program (the loop body that releases is left out): no
 arithmetic of the inner optimizer, no full-size copy of a donated buffer, every array
 state leaf updated in place; with `apply_gradients`, nothing but `acc + g`.
+
+Each held step is compiled once (`held`) and read by every test that checks it; inner
+optimizer x pattern x dtype runs pairwise (tests/_matrix.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import optax
 import pytest
 from _cases import lenient
 from _hlo import every_call, full_size_counts
+from _matrix import pairwise
 
 import optax_accum
 
@@ -111,14 +115,30 @@ def compile_held(tx, pattern: str, params):
     return jax.jit(functools.partial(step, tx), donate_argnums=donate).lower(*args).compile()
 
 
-@DTYPES
-@pytest.mark.parametrize("pattern", sorted(PATTERNS))
-@pytest.mark.parametrize("inner", sorted(INNERS))
-def test_held_step_runs_no_optimizer_arithmetic_and_copies_no_state(inner, pattern, dtype):
+@functools.cache
+def held(inner: str, pattern: str, dtype) -> tuple:
+    """The params, a fresh state and the compiled held step of
+    `conditional_accumulator(inner, 4)`: compiled once for every test that reads it
+    (the program is only read, never run, so nothing is donated)."""
     tx = optax_accum.conditional_accumulator(INNERS[inner](), num_required=4)
     params = make_params(dtype)
-    state = tx.init(params)
-    compiled = compile_held(tx, pattern, params)
+    return params, tx.init(params), compile_held(tx, pattern, params)
+
+
+DTYPE_IDS = {jnp.float32: "f32", jnp.bfloat16: "bf16"}
+
+
+@pytest.mark.parametrize(
+    ("inner", "pattern", "dtype"),
+    pairwise(sorted(INNERS), sorted(PATTERNS), list(DTYPE_IDS)),
+    ids=lambda x: DTYPE_IDS.get(x, x),
+)
+def test_held_step_runs_no_optimizer_arithmetic_and_copies_no_state(inner, pattern, dtype):
+    """Pairwise (tests/_matrix.py), not the full product: every inner optimizer in
+    every step pattern, and each of them in both dtypes (12 of 24 compiles); the
+    canonical pattern also meets every inner in both dtypes below, in
+    `test_canonical_step_carries_its_updates_in_the_accumulator`."""
+    params, state, compiled = held(inner, pattern, dtype)
     ops = every_call(compiled.as_text())
     counts = full_size_counts(ops)
 
@@ -203,10 +223,7 @@ def test_train_step_temporaries_are_the_release_mean_and_updates(pattern, dtype)
     in flight: its temporaries are the release's mean (in the accumulator's dtype)
     and, when that is not the params' dtype, the updates (optax.MultiSteps needs three
     trees in float32)."""
-    tx = optax_accum.conditional_accumulator(INNERS["adam"](), num_required=4)
-    params = make_params(dtype)
-    state = tx.init(params)
-    compiled = compile_held(tx, pattern, params)
+    params, state, compiled = held("adam", pattern, dtype)
 
     allowed = tree_bytes(state.accumulator)
     if state.accumulator["w"].dtype != params["w"].dtype:
@@ -223,10 +240,7 @@ def test_canonical_step_carries_its_updates_in_the_accumulator(inner, dtype):
     step at 8M parameters. The updates travel in the accumulator's buffers instead
     (bfloat16 updates in a float32 sum too): the loop carries no tree besides the state
     it updates, and in float32 no temporary but scalars is left."""
-    tx = optax_accum.conditional_accumulator(INNERS[inner](), num_required=4)
-    params = make_params(dtype)
-    state = tx.init(params)
-    compiled = compile_held(tx, "canonical", params)
+    params, state, compiled = held(inner, "canonical", dtype)
     (loop,) = [op for op in every_call(compiled.as_text()) if op.opcode == "while"]
     # The state the loop updates, and the params where AdamW's weight decay reads them
     # (passed through, not copied); the old form also carried a tree of updates.
