@@ -1,7 +1,10 @@
 """Stress: host accumulators under concurrent applies, takes, step changes and timeouts.
 
-Each round, 8 threads apply 200 gradients each, tagged with the current global step,
-the one before (stale) or the one after (future), while 2 threads take with random
+Each round, 8 threads apply 200 gradients each (60 to the sparse accumulator, where
+each apply dispatches a device scatter: 480 a round still keep all 8 racing the takes
+and the stepper, and the test checks that timeouts, takes served while applies run and
+stale drops all happen), tagged with the current global step, the one before (stale)
+or the one after (future), while 2 threads take with random
 `num_required` and short timeouts (many time out) and 1 thread raises the global step
 with `set_global_step`. Gradients carry integer values (exact in float32) and a
 count column, and integer weights (or none), with SUM reduction, so the takes must add
@@ -26,7 +29,8 @@ import optax_accum
 
 ROUNDS = 20
 APPLIERS = 8
-APPLIES = 200
+APPLIES = 200  # per applier and round (dense)
+SPARSE_APPLIES = 60  # per applier and round (sparse: each apply dispatches a scatter)
 TAKERS = 2
 ROWS = 8
 WAIT = 30.0  # seconds: the bound on any join or final take
@@ -37,8 +41,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:set_global_step")
 class _Round:
     """One round's threads and their records; `run` returns what the takes returned."""
 
-    def __init__(self, acc: Any, seed: int, apply_one: Callable, take_one: Callable) -> None:
-        self.acc, self.seed = acc, seed
+    def __init__(
+        self, acc: Any, seed: int, apply_one: Callable, take_one: Callable, applies: int
+    ) -> None:
+        self.acc, self.seed, self.applies = acc, seed, applies
         self.apply_one, self.take_one = apply_one, take_one
         self.accepted: list[list[tuple[int, int, int]]] = [[] for _ in range(APPLIERS)]
         self.rejected = [0] * APPLIERS
@@ -59,7 +65,7 @@ class _Round:
 
     def _applier(self, t: int) -> None:
         rng = random.Random(self.seed * 100 + t)
-        for j in range(APPLIES):
+        for j in range(self.applies):
             value = t * 1000 + j + 1  # unique per gradient, exact in float32 sums
             row = rng.randrange(ROWS)
             step = self.acc.global_step + rng.choice([0, 0, 0, 0, -1, 1])
@@ -119,7 +125,7 @@ class _Round:
 
 def _check_round(r: _Round, totals: Callable[[list], np.ndarray], expected: np.ndarray) -> None:
     accepted = [a for per_thread in r.accepted for a in per_thread]
-    assert len(accepted) + sum(r.rejected) == APPLIERS * APPLIES
+    assert len(accepted) + sum(r.rejected) == APPLIERS * r.applies
     assert r.acc.num_dropped == sum(r.rejected)  # every rejection was a stale drop
     np.testing.assert_array_equal(totals(r.taken), expected)
 
@@ -153,7 +159,7 @@ def test_dense_accumulator_stress_20_rounds():
     exercised = np.zeros(3, int)  # rounds with timeouts, concurrent takes, stale drops
     for seed in range(ROUNDS):
         acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,), reduction_type="SUM")
-        r = _Round(acc, seed, _dense_apply, _dense_take)
+        r = _Round(acc, seed, _dense_apply, _dense_take, APPLIES)
         r.run()
         accepted = [(v, w) for per_thread in r.accepted for v, _, w in per_thread]
         expected = np.array([sum(v * w for v, w in accepted), sum(w for _, w in accepted)], float)
@@ -168,7 +174,7 @@ def test_sparse_accumulator_stress_20_rounds():
         acc = optax_accum.SparseConditionalAccumulator(
             np.float32, shape=(ROWS, 2), reduction_type="SUM"
         )
-        r = _Round(acc, seed, _sparse_apply, _sparse_take)
+        r = _Round(acc, seed, _sparse_apply, _sparse_take, SPARSE_APPLIES)
         r.run()
         expected = np.zeros((ROWS, 2))
         for per_thread in r.accepted:

@@ -400,7 +400,11 @@ def test_an_interrupted_apply_never_orphans_the_take_it_completes(kind, as_jax, 
     later one tagged with the same step) or time out at its deadline: never hang, never
     fail otherwise; and the counter must match the aggregate afterwards. With a grace
     period, the interrupted apply may be the one that starts it."""
-    deadline = 2.0  # seconds (each take the interrupt orphans waits it out)
+    # Seconds. Each take the interrupt orphans waits it out (5 lines of the sparse apply,
+    # 1 of the dense one with a JAX gradient), so it is kept short. A take that is not
+    # orphaned gets its gradients within milliseconds of the late apply; if a loaded
+    # machine ever made it time out, that is an outcome this test accepts anyway.
+    deadline = 0.5
 
     def run(interrupt):
         acc = _make(kind)

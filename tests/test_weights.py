@@ -299,9 +299,12 @@ _sparse_event = st.tuples(
 )
 
 
+# Each (k, capacity, mean) compiles its own update, twice (with and without a weight),
+# so k takes the two values that differ: 1 releases every accepted gradient, 3 sums
+# windows of several (2 would run the same code as 3). Capacity 2 overflows, ROWS never.
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
-    k=st.integers(1, 3),
+    k=st.sampled_from([1, 3]),
     capacity=st.sampled_from([2, ROWS]),
     mean=st.booleans(),
     events=st.lists(_sparse_event, max_size=10),
