@@ -46,9 +46,10 @@ def case(request) -> Case:
 # Two cases are their namesake with an axis_name and nothing else: the same update,
 # where the axis only adds the psums of the reduction. How the extra arguments are
 # forwarded and how the transform nests in `optax.chain` or `optax.inject_hyperparams`
-# is not that reduction, so those tests run the namesake alone (the shared cases run
-# in those wrappers in test_train_step.py). agn_delta_shared and
-# drop_stale_gradients_shared differ from their namesakes in more than the axis.
+# is not that reduction, so those tests run the namesake alone (test_train_step.py
+# runs conditional_accumulator_shared last in a chain, and
+# sparse_conditional_accumulator_shared inside inject_hyperparams). agn_delta_shared
+# and drop_stale_gradients_shared differ from their namesakes in more than the axis.
 AXIS_TWINS = {
     "conditional_accumulator_shared": "conditional_accumulator",
     "sparse_conditional_accumulator_shared": "sparse_conditional_accumulator",
