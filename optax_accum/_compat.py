@@ -173,9 +173,7 @@ def retyped(
         # what `jnp.zeros_like` makes no mesh when jit runs outside `jax.set_mesh`).
         like_sharding = explicit_sharding(jax.typeof(like))
         if like_sharding is not None and jax.numpy.ndim(x) == 0:
-            sharding = jax.sharding.NamedSharding(
-                like_sharding.mesh, jax.sharding.PartitionSpec()
-            )
+            sharding = jax.sharding.NamedSharding(like_sharding.mesh, jax.sharding.PartitionSpec())
         elif like_sharding is not None and jax.numpy.shape(x) == jax.numpy.shape(like):
             sharding = like_sharding
     if sharding is None or not hasattr(sharding.spec, "unreduced"):

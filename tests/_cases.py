@@ -385,4 +385,3 @@ def examples(thorough: int) -> int:
     (conftest.py) set how many, each test how many relative to the others.
     """
     return max(4, round(thorough * hypothesis.settings.default.max_examples / 100))
-

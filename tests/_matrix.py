@@ -12,6 +12,7 @@ def pairwise(*factors: list) -> list[tuple]:
     or more (where a test's cost is one compile per combination). Deterministic: the
     first factor's values in order, each completed greedily by the values that cover the
     most pairs not yet covered, ties to the earlier value."""
+
     def pairs(combo: tuple) -> set:
         return {(i, a, j, b) for (i, a), (j, b) in itertools.combinations(enumerate(combo), 2)}
 
