@@ -1,15 +1,24 @@
-"""Test configuration: 8 host CPU devices and strict dtype promotion.
+"""Test configuration: 8 host CPU devices, XLA:CPU's code unoptimised, and strict dtype
+promotion.
 
-Both must be set before JAX initialises its backends, so this runs at import time,
+These must be set before JAX initialises its backends, so this runs at import time,
 before any test module imports jax.numpy. optax's Adam is not clean under strict
 promotion (`decay ** count`); tests wrap such third-party optimizers in
 `_cases.lenient` (or use `_cases.adam`), which keeps optax_accum's own code strict.
+
+`--xla_backend_optimization_level=0`: the suite compiles thousands of small programs
+and runs each for microseconds, so LLVM's optimisation of the machine code costs far
+more than it saves (about 30% of the compile-bound tests' time). It changes neither
+what XLA's HLO passes produce (the programs, buffers and collectives the tests read)
+nor any result (XLA:CPU uses no fast math). Processes the tests start inherit it; the
+benchmarks, run by themselves, compile at XLA's default, as users do.
 """
 
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
 # Ray (tests/test_ray*.py): the test cluster listens on the loopback address only. Ray

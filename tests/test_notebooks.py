@@ -182,7 +182,9 @@ def test_notebook_runs_top_to_bottom(path, devices, tmp_path, monkeypatch):
     (at,) = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
     nb.cells.insert(at + 1, nbformat.v4.new_code_cell(f"STEPS = {QUICK_STEPS}"))
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline (Agg) backend
-    monkeypatch.setenv("XLA_FLAGS", "")  # the notebook's own first cell sets the devices
+    # The notebook's own first cell sets the devices; unoptimised machine code, as for
+    # every test (conftest.py says why).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     monkeypatch.setenv("OPTAX_ACCUM_CPU_DEVICES", str(devices))
     client = NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
