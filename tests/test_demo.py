@@ -141,13 +141,14 @@ def test_table_is_at_most_100_columns_and_a_too_long_method_is_an_error():
         demo.format_table([demo.Row("accumulate", "m" * 80, 0.5, 1, 0, None, 1.0)])
 
 
-@pytest.mark.parametrize("name", list(demo.SECTIONS))
-def test_section_runs_at_a_small_size(name, capsys, tmp_path):
-    # As users run it: the suite's strict dtype promotion is for the library's own
-    # code, and optax's optimizers need standard promotion.
+def _run_section(name: str, sizes: list[str], capsys, tmp_path) -> list:
+    """`demo.main` on one section, as users run it (the suite's strict dtype promotion
+    is for the library's own code; optax's optimizers need standard promotion): checks
+    every returned row, the printed table (at most 100 columns, a line per row) and the
+    plot, and returns the rows."""
     plot = tmp_path / "curves.png"
     with jax.numpy_dtype_promotion("standard"):
-        rows = demo.main(["--section", name, *SMALL, "--plot", str(plot)])
+        rows = demo.main(["--section", name, *sizes, "--plot", str(plot)])
     assert rows
     for row in rows:
         assert row.section == name and row.method
@@ -165,6 +166,14 @@ def test_section_runs_at_a_small_size(name, capsys, tmp_path):
         assert line.strip().startswith(row.method)
         assert f"{row.accuracy:.3f}" in line
     assert plot.read_bytes().startswith(PNG_MAGIC)
+    return rows
+
+
+# accumulate runs through `demo.main` in the comparison test below, at its larger size:
+# running it here as well would compile the section once more for no new path.
+@pytest.mark.parametrize("name", [n for n in demo.SECTIONS if n != "accumulate"])
+def test_section_runs_at_a_small_size(name, capsys, tmp_path):
+    _run_section(name, SMALL, capsys, tmp_path)
 
 
 def _mean_gap(order: list[int]) -> float:
@@ -194,15 +203,15 @@ def test_arrival_order_has_a_straggler_and_more_workers_make_staler_gradients():
     assert 2 < mild < 4 and 12 < heavy < 16  # the module's docstring says 3 and 14
 
 
-def test_accumulate_compares_three_learners_on_one_stale_stream_in_two_regimes():
+def test_accumulate_compares_three_learners_on_one_stale_stream_in_two_regimes(capsys, tmp_path):
     # The same delivered gradients for every learner of a regime; plain Adam applies
     # each, MultiSteps one update per 3, the accumulator drops the stale ones and applies
-    # one update per 3 fresh ones. Every curve has the same x axis.
+    # one update per 3 fresh ones. Every curve has the same x axis. Run through
+    # `demo.main`, so this is also accumulate's small-size section run (rows, table, plot).
     from optax_accum.demo import accumulate
 
     steps = 40
-    with jax.numpy_dtype_promotion("standard"):
-        rows = accumulate.run(demo.Sizes(steps=steps, batch=8))
+    rows = _run_section("accumulate", ["--steps", str(steps), "--batch", "8"], capsys, tmp_path)
     assert [r.panel for r in rows] == [r.label for r in accumulate.REGIMES for _ in range(3)]
     assert rows[0].panel == "mild staleness: 4 workers (one 6x slower), Adam lr 3e-3"
     assert rows[3].panel == "heavy staleness: 16 workers (one 6x slower), Adam lr 3e-2"

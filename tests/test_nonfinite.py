@@ -174,11 +174,18 @@ def _sparse_accumulator(**kw):
     )
 
 
-def _sparse_tx(**kw):
-    return _stepper(_sparse_accumulator, **kw)
+def _sparse_tx(capacity: int, reduction: str = "mean", **kw):
+    # Spelled out in one way, so the tests that build the same accumulator share its step.
+    return _stepper(_sparse_accumulator, capacity=capacity, reduction=reduction, **kw)
 
 
 def _sparse_grads(ids, rows, b=(1.0, 1.0)) -> dict:
+    """A sparse gradient of `ids`, padded to two ids with a padding row (id `ROWS`, zero
+    values), so that each accumulator compiles its step once for all the 1- and 2-id
+    gradients (the padding test's 4 ids are the one other shape)."""
+    ids, rows = list(ids), [list(r) for r in rows]
+    while len(ids) < 2:
+        ids, rows = [*ids, ROWS], [*rows, [0.0, 0.0]]
     return {
         "emb": IndexedSlices(
             jnp.asarray(ids, jnp.int32), jnp.asarray(rows, jnp.float32), (ROWS, 2)
