@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _matrix import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -302,14 +303,15 @@ _sparse_event = st.tuples(
 # Each (k, capacity, mean) compiles its own update, twice (with and without a weight),
 # so k takes the two values that differ: 1 releases every accepted gradient, 3 sums
 # windows of several (2 would run the same code as 3). Capacity 2 overflows, ROWS never.
+# The examples draw from the pairwise combinations of the three factors (every pair of
+# their values: 4 setups of the 8), since each setup costs two compiles.
+_SPARSE_SETUPS = pairwise([1, 3], [2, ROWS], [True, False])
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(
-    k=st.sampled_from([1, 3]),
-    capacity=st.sampled_from([2, ROWS]),
-    mean=st.booleans(),
-    events=st.lists(_sparse_event, max_size=10),
-)
-def test_sparse_matches_numpy_reference(k, capacity, mean, events):
+@given(setup=st.sampled_from(_SPARSE_SETUPS), events=st.lists(_sparse_event, max_size=10))
+def test_sparse_matches_numpy_reference(setup, events):
+    k, capacity, mean = setup
     tx, update = _sparse_update(k, capacity, mean)
     ref = _SparseReference(k, capacity, mean)
     state = tx.init(_params())
@@ -351,14 +353,29 @@ def test_sparse_matches_numpy_reference(k, capacity, mean, events):
     ]
 
 
-def test_sparse_zero_weight_rows_release_zeros_and_count():
+@functools.cache
+def _weighted_update():
+    """The window-of-2 MEAN accumulator of the two tests below (non-finite rows kept, so
+    a NaN row of weight 0 reaches the sums) and its update, jitted once: their
+    gradients are padded to 3 rows (padding id `ROWS`), one shape."""
     tx = _sparse_tx(2, ROWS, mean=True, skip_nonfinite=False)
-    update = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+    return tx, jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+
+
+def _rows3(ids, values):
+    """An IndexedSlices of `ids` padded to 3 rows with the padding id (values 0)."""
+    pad = 3 - len(ids)
+    values = np.concatenate([np.asarray(values, np.float32), np.zeros((pad, 2), np.float32)])
+    return IndexedSlices(jnp.asarray(list(ids) + [ROWS] * pad), jnp.asarray(values), (ROWS, 2))
+
+
+def test_sparse_zero_weight_rows_release_zeros_and_count():
+    tx, update = _weighted_update()
     state = tx.init(_params())
-    slices = IndexedSlices(jnp.array([1, 4, 1]), jnp.full((3, 2), jnp.nan), (ROWS, 2))
+    slices = _rows3([1, 4, 1], np.full((3, 2), np.nan))
     grad = {"e": slices, "t": slices, "b": jnp.ones(2)}
     _, state = update(grad, state, jnp.float32(0))  # NaN rows of weight 0 add nothing
-    slices = IndexedSlices(jnp.array([4]), jnp.ones((1, 2)), (ROWS, 2))
+    slices = _rows3([4], np.ones((1, 2)))
     u, state = update({"e": slices, "t": slices, "b": jnp.ones(2)}, state, jnp.float32(0))
     assert bool(state.emitted) and int(state.global_step) == 1
     assert sorted(int(i) for i in np.asarray(u["e"].indices) if i < ROWS) == [1, 4]
@@ -368,11 +385,10 @@ def test_sparse_zero_weight_rows_release_zeros_and_count():
 
 
 def test_sparse_rows_are_weighted_by_the_gradients_that_touched_them():
-    tx = _sparse_tx(2, ROWS, mean=True)
-    update = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+    tx, update = _weighted_update()
     state = tx.init(_params())
-    first = IndexedSlices(jnp.array([0, 2]), jnp.array([[1.0, 1.0], [2.0, 2.0]]), (ROWS, 2))
-    second = IndexedSlices(jnp.array([2]), jnp.array([[8.0, 8.0]]), (ROWS, 2))
+    first = _rows3([0, 2], [[1.0, 1.0], [2.0, 2.0]])
+    second = _rows3([2], [[8.0, 8.0]])
     _, state = update({"e": first, "t": first, "b": jnp.ones(2)}, state, jnp.float32(1))
     u, state = update({"e": second, "t": second, "b": jnp.zeros(2)}, state, jnp.float32(3))
     expected = np.zeros((ROWS, 2))
@@ -408,9 +424,14 @@ def test_dense_weights_sum_across_replicas_under_pmap():
 
 
 def test_sparse_weights_sum_across_replicas_under_pmap():
-    tx = _sparse_tx(6, ROWS, mean=True, axis_name="d")
+    """Four replicas (the first four lags and weights above: one stale, one of weight 0),
+    as many as needed: up to eight, the row insertion runs the same unrolled code for
+    each replica, and each replica adds its own copy to the compiled program."""
+    n = 4
+    lags, weights = _LAGS[:n], _W[:n]
+    tx = _sparse_tx(3, ROWS, mean=True, axis_name="d")
     params = _params()
-    states = jax.pmap(lambda _: tx.init(params))(jnp.zeros(8))
+    states = jax.pmap(lambda _: tx.init(params))(jnp.zeros(n))
 
     def local(i, v, b, s, ls, w):
         slices = IndexedSlices(i, v, (ROWS, 2))
@@ -418,22 +439,23 @@ def test_sparse_weights_sum_across_replicas_under_pmap():
 
     step = jax.pmap(local, axis_name="d")
     rng = np.random.default_rng(5)
-    ids = rng.integers(0, ROWS + 1, size=(8, 3))
-    values = rng.integers(-4, 4, size=(8, 3, 2)).astype(np.float64)
-    b = rng.integers(-4, 4, size=(8, 2)).astype(np.float64)
-    ref = _SparseReference(6, ROWS, mean=True)
-    released = [ref.offer(ids[r], values[r], b[r], _LAGS[r], float(_W[r])) for r in range(8)]
+    ids = rng.integers(0, ROWS + 1, size=(n, 3))
+    values = rng.integers(-4, 4, size=(n, 3, 2)).astype(np.float64)
+    b = rng.integers(-4, 4, size=(n, 2)).astype(np.float64)
+    ref = _SparseReference(3, ROWS, mean=True)
+    released = [ref.offer(ids[r], values[r], b[r], lags[r], float(weights[r])) for r in range(n)]
     expected_e, _, expected_b = released[-1]
     u, states = step(
         jnp.asarray(ids, jnp.int32),
         jnp.asarray(values, jnp.float32),
         jnp.asarray(b, jnp.float32),
         states,
-        jnp.asarray(_LAGS),
-        _W,
+        jnp.asarray(lags),
+        weights,
     )
     assert np.all(np.asarray(states.emitted))
-    for r in range(8):
+    assert np.all(np.asarray(states.num_dropped) == 1)
+    for r in range(n):
         got_e = IndexedSlices(u["e"].indices[r], u["e"].values[r], (ROWS, 2))
         np.testing.assert_allclose(_densified(got_e), expected_e, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(u["t"][r]), expected_e, rtol=1e-6, atol=1e-6)
