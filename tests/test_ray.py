@@ -10,9 +10,11 @@ take, the accumulator's actor (with and without a checkpoint to resume from).
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 import types
 
@@ -28,6 +30,7 @@ ray = pytest.importorskip("ray")
 import optax_accum  # noqa: E402
 import optax_accum.ray as oray  # noqa: E402
 from optax_accum.ray import _payload  # noqa: E402
+from optax_accum.ray._callers import LEASE  # noqa: E402
 
 WAIT = 60.0  # seconds: the bound on any wait that should finish promptly (Ray is slow here)
 
@@ -384,6 +387,33 @@ def test_a_chief_killed_while_blocked_in_a_take_consumes_nothing(processes):
     assert acc.num_waiting_takes() == 0
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(blocked)
+    np.testing.assert_array_equal(np.asarray(acc.take_grad(2, timeout=WAIT)), [2.0, 2.0])
+    acc.kill()
+
+
+def test_an_interrupted_take_leaves_the_queue_and_consumes_nothing():
+    """Ctrl-C in a blocked take (KeyboardInterrupt in the caller's main thread) withdraws
+    it at once: the gradients that arrive next stay for the next take. Without the
+    withdrawal the take stays queued while its caller's process lives (a lease covers
+    only callers on other nodes), and the next gradients would complete it, with nobody
+    to hand them to (checked: with the withdrawal removed, this test fails)."""
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name="interrupted-take")
+
+    def interrupt_when_queued():
+        wait_until(lambda: acc.num_waiting_takes() == 1, "the take queued")
+        _thread.interrupt_main()  # as Ctrl-C does: KeyboardInterrupt in the main thread
+
+    interrupter = threading.Thread(target=interrupt_when_queued)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        acc.take_grad(2)
+    interrupter.join()
+    start = time.monotonic()
+    wait_until(lambda: acc.num_waiting_takes() == 0, "the take withdrawn")
+    assert time.monotonic() - start < LEASE / 2  # withdrawn, not left to a lease
+    assert acc.apply_grad(np.full(2, 1.0, np.float32))
+    assert acc.apply_grad(np.full(2, 3.0, np.float32))
+    assert acc.global_step == 0 and acc.num_accumulated() == 2
     np.testing.assert_array_equal(np.asarray(acc.take_grad(2, timeout=WAIT)), [2.0, 2.0])
     acc.kill()
 
