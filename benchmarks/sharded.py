@@ -48,7 +48,6 @@ import json
 import platform
 import re
 import statistics
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -65,8 +64,10 @@ import optax_accum
 from optax_accum.demo.hlo import count_collectives
 
 try:  # part of the package: python -m benchmarks, the tests
+    from benchmarks._steps import Contender as TimedStep
     from benchmarks._steps import accumulating_adam, canonical, fused, paired, rotations
 except ModuleNotFoundError:  # run as a file: python benchmarks/X.py (see _steps)
+    from _steps import Contender as TimedStep
     from _steps import accumulating_adam, canonical, fused, paired, rotations
 
 LEAVES = 8
@@ -117,31 +118,12 @@ def random_tree(shape: tuple[int, int], seed: int, where: jax.sharding.Mesh, sca
     }
 
 
-class Contender:
-    """A compiled step, the buffers it carries from call to call, and its timing.
-
-    `fn(*carry, grads)` returns the next carry; the carry is donated, the gradient is
-    not. A sample times `EVERY` calls.
-    """
+class Contender(TimedStep):
+    """A compiled step timed as in `_steps` (the gradients are its batch, `EVERY` calls a
+    sample), with the compiled program's memory per device."""
 
     def __init__(self, fn: Callable, carry: tuple, grads: Any):
-        self.carry, self.grads = carry, grads
-        donate = tuple(range(len(carry)))
-        self.compiled = jax.jit(fn, donate_argnums=donate).lower(*carry, grads).compile()
-
-    def call(self) -> None:
-        out = self.compiled(*self.carry, self.grads)
-        self.carry = out if len(self.carry) > 1 else (out,)
-
-    def sample(self) -> tuple[float, float]:
-        """Seconds per step over `EVERY` steps: wall-clock, and this process's CPU
-        time (every device's threads), which a busy machine disturbs less."""
-        jax.block_until_ready(self.carry)
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(EVERY):
-            self.call()
-        jax.block_until_ready(self.carry)
-        return (time.perf_counter() - start) / EVERY, (time.process_time() - cpu) / EVERY
+        super().__init__(fn, carry, grads, EVERY)
 
     def memory(self) -> dict[str, int]:
         """Per-device bytes of the compiled program (one partition of the SPMD program)."""

@@ -50,9 +50,9 @@ from flax.training import train_state
 import optax_accum
 
 try:  # part of the package: python -m benchmarks, the tests
-    from benchmarks._steps import accumulating_adam, canonical, fused, paired, rotations
+    from benchmarks._steps import Contender, accumulating_adam, canonical, fused, paired, rotations
 except ModuleNotFoundError:  # run as a file: python benchmarks/X.py (see _steps)
-    from _steps import accumulating_adam, canonical, fused, paired, rotations
+    from _steps import Contender, accumulating_adam, canonical, fused, paired, rotations
 
 EVERY = 8  # gradients per release; a sample times one cycle
 PATTERNS = ("canonical", "apply_gradients", "TrainState")
@@ -112,29 +112,6 @@ def model(name: str, quick: bool, batch: int | None = None) -> tuple[nn.Module, 
 # --------------------------------------------------------------------------- timing
 
 
-class Contender:
-    """A compiled step, the buffers it carries from call to call, and its timing.
-
-    `fn(*carry, batch)` returns the next carry (a tuple when the carry has more than
-    one element); the carry is donated, the batch is not. A sample times `EVERY` calls.
-    """
-
-    def __init__(self, fn: Callable, carry: tuple, batch: Any):
-        self.carry, self.batch = carry, batch
-        donate = tuple(range(len(carry)))
-        self.compiled = jax.jit(fn, donate_argnums=donate).lower(*carry, batch).compile()
-
-    def sample(self) -> tuple[float, float]:
-        """Seconds per step over a cycle: wall-clock, and this process's CPU time."""
-        jax.block_until_ready(self.carry)
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(EVERY):
-            out = self.compiled(*self.carry, self.batch)
-            self.carry = out if len(self.carry) > 1 else (out,)
-        jax.block_until_ready(self.carry)
-        return (time.perf_counter() - start) / EVERY, (time.process_time() - cpu) / EVERY
-
-
 def contender(pattern: str, ours: bool, module: nn.Module, params: Any, batch: tuple, loss):
     """The train step of `pattern`, with optax_accum (`ours`) or with optax.MultiSteps."""
     tx = accumulating_adam(ours, EVERY)
@@ -148,14 +125,14 @@ def contender(pattern: str, ours: bool, module: nn.Module, params: Any, batch: t
         cls = optax_accum.TrainState if ours else train_state.TrainState
         state = cls.create(apply_fn=module.apply, params=params, tx=tx)
         return Contender(
-            lambda s, b: s.apply_gradients(grads=grads_of(s.params, b)), (state,), batch
+            lambda s, b: s.apply_gradients(grads=grads_of(s.params, b)), (state,), batch, EVERY
         )
     apply = fused if pattern == "apply_gradients" and ours else canonical
 
     def step(params: Any, opt_state: Any, batch: tuple) -> tuple:
         return apply(tx, params, opt_state, grads_of(params, batch))
 
-    return Contender(step, (params, tx.init(params)), batch)
+    return Contender(step, (params, tx.init(params)), batch, EVERY)
 
 
 def floor(module: nn.Module, params: Any, batch: tuple, loss) -> Contender:
@@ -167,7 +144,7 @@ def floor(module: nn.Module, params: Any, batch: tuple, loss) -> Contender:
         return params, jax.tree.map(jnp.add, acc, grads)
 
     params = jax.tree.map(jnp.copy, params)
-    return Contender(step, (params, jax.tree.map(jnp.zeros_like, params)), batch)
+    return Contender(step, (params, jax.tree.map(jnp.zeros_like, params)), batch, EVERY)
 
 
 def bench_model(
