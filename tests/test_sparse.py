@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from _cases import examples, lenient
+from _compiled import compiled_once
 from _matrix import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,20 +49,6 @@ def _rows(u: IndexedSlices) -> tuple[list, np.ndarray]:
     assert np.all(np.diff(ids[real]) > 0), f"ids must be sorted and unique: {ids}"
     assert np.all(ids[~real] == u.dense_shape[0]) and np.all(vals[~real] == 0)
     return ids[real].tolist(), vals[real]
-
-
-_PROGRAMS: dict[tuple, Any] = {}
-
-
-def _compiled_once(fn, *args):
-    """`jax.jit(fn)` compiled for `args`. Tracing and lowering are cheap, XLA's compile
-    is not: calls whose programs lower to the same text (and trees) share one compile,
-    so setups that differ only where the code never looks run one executable."""
-    lowered = jax.jit(fn).lower(*args)
-    program = (lowered.as_text(), lowered.in_tree, lowered.out_tree)
-    if program not in _PROGRAMS:
-        _PROGRAMS[program] = lowered.compile()
-    return _PROGRAMS[program]
 
 
 # --------------------------------------------------------------------------- TF vectors
@@ -647,7 +633,7 @@ def _capacity_update(capacity: int, mean: bool):
     """One transform and update per (capacity, mean), shared by every example, so each
     gradient shape compiles once (and there are two: see `_padded`). At and beyond the
     table's rows the leaf is dense and never reads the capacity: those setups lower to
-    one program and share its compile (`_compiled_once`)."""
+    one program and share its compile (`_compiled.compiled_once`)."""
     tx = sparse_conditional_accumulator(
         optax.identity(), 3, capacity=capacity, reduction="mean" if mean else "sum"
     )
@@ -656,7 +642,7 @@ def _capacity_update(capacity: int, mean: bool):
     @functools.cache
     def compiled(nnz: int):
         like = _g(np.zeros(nnz, np.int32), np.zeros((nnz, 2), np.float32))
-        return _compiled_once(lambda g, s: tx.update(g, s, local_step=None), like, state)
+        return compiled_once(lambda g, s: tx.update(g, s, local_step=None), like, state)
 
     return tx, lambda g, s: compiled(g.indices.shape[0])(g, s)
 
@@ -890,7 +876,7 @@ def test_sparse_mask_of_numpy_bools():
             tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse=given_as)
             state = tx.init(params)
             assert type(state.accumulator["e"]).__name__ == "RowBuffer"
-            programs.append(_compiled_once(tx.update, grads, state))
+            programs.append(compiled_once(tx.update, grads, state))
             u, _ = programs[-1](grads, state)
             results.append(_dense_meaning(u["e"]))
     assert all(p is programs[0] for p in programs)  # the very same program, compiled once

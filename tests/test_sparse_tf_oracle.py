@@ -21,12 +21,11 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _compiled import compiled_once
 
 import optax_accum
 from optax_accum import IndexedSlices
@@ -34,10 +33,6 @@ from optax_accum import IndexedSlices
 HERE = Path(__file__).resolve().parent
 NNZ = 4  # the most rows a recorded gradient has
 RECORDED = Path(os.environ.get("OPTAX_ACCUM_TF_ORACLE", HERE / "data" / "sparse_tf_oracle.json"))
-
-
-# Compiled updates by program: (StableHLO text, input tree, output tree).
-_COMPILED: dict[tuple, Any] = {}
 
 
 @functools.cache
@@ -51,12 +46,8 @@ def _update(rows: int, dim: int, num_required: int, reduction: str, capacity: in
     )
     state = tx.init(jnp.zeros((rows, dim)))
     g = IndexedSlices(jnp.zeros(NNZ, jnp.int32), jnp.zeros((NNZ, dim), jnp.float32), (rows, dim))
-    update = jax.jit(lambda g, s, ls: tx.update(g, s, local_step=ls))
-    lowered = update.lower(g, state, jnp.int32(0))
-    program = (lowered.as_text(), lowered.in_tree, lowered.out_tree)
-    if program not in _COMPILED:
-        _COMPILED[program] = lowered.compile()
-    return state, _COMPILED[program]
+    update = compiled_once(lambda g, s, ls: tx.update(g, s, local_step=ls), g, state, jnp.int32(0))
+    return state, update
 
 
 def _window_rows(program: dict) -> int:
