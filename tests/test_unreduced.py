@@ -4,8 +4,9 @@ Under explicit sharding, a param typed reduced over the batch's mesh axes
 (`P(..., reduced=axes)`) gets gradients typed unreduced over them from `jax.grad`:
 no all-reduce has run. Every accumulating transform keeps their running sum
 unreduced, so a held step moves nothing across those axes, and the release reduces
-the window's sum once, inside its branch. For each transform, step shape and layout,
-8 steps (a release every 2 accepted gradients, stale gradients, weights) must:
+the window's sum once, inside its branch. For each transform, step shape, layout and
+model (`MATRIX` says which combinations, and why those), 8 steps (a release every 2
+accepted gradients, stale gradients, weights) must:
 
 - equal the same 8 steps on one device, in float64, to 1e-9 (the canonical step
   there, which every step shape must match: one reference run per transform);
@@ -35,6 +36,7 @@ import optax
 import pytest
 from _cases import lenient
 from _hlo import collectives
+from _matrix import pairwise
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -403,25 +405,31 @@ def _assert_types_kept(params, state, layout):
 # --------------------------------------------------------------------------- tests
 
 
+# The rows. Each transform runs on the data-parallel mesh; conditional_accumulator (the
+# anchor) in both step shapes there, each other transform in one of them (the step
+# shape reaches the release through the same sink or the same `tx.update` for every
+# transform; tests/test_shard_map_window.py runs the sparse accumulator, drop_stale and
+# the nest in the other shape, under shard_map). The layouts and models run conditional_accumulator pairwise over step
+# shape x layout x model (tests/_matrix.py), so every step shape meets every layout and
+# every model, and every layout every model; TrainState (a wrapper of apply_gradients)
+# runs once, on two levels.
 MATRIX = (
     [
-        (case, pattern, "data", "dots")
-        for case in sorted(CASES)
-        for pattern in sorted(PATTERNS)
-        if pattern != "train_state"  # below, on two levels
-        if case != "skip_nonfinite" or pattern == "canonical"
+        ("conditional_accumulator", "apply_gradients", "data", "dots"),
+        ("conditional_accumulator", "canonical", "data", "dots"),
+        ("sparse_accumulator_dense_leaves", "apply_gradients", "data", "dots"),
+        ("drop_stale_accumulator", "apply_gradients", "data", "dots"),
+        ("nested_accumulators", "canonical", "data", "dots"),
+        ("skip_nonfinite", "canonical", "data", "dots"),
     ]
     + [
-        ("conditional_accumulator", pattern, layout, "dots")
-        for pattern in ("apply_gradients", "canonical")
-        for layout in ("fsdp", "two_level")
+        ("conditional_accumulator", pattern, layout, model)
+        for pattern, layout, model in pairwise(
+            ["apply_gradients", "canonical"], ["data", "fsdp", "two_level"], ["dots", "any"]
+        )
+        if (pattern, layout, model) != ("apply_gradients", "data", "dots")  # above
     ]
-    + [
-        ("conditional_accumulator", "train_state", "two_level", "dots"),
-        ("conditional_accumulator", "canonical", "data", "any"),
-        ("conditional_accumulator", "apply_gradients", "fsdp", "any"),
-        ("conditional_accumulator", "canonical", "two_level", "any"),
-    ]
+    + [("conditional_accumulator", "train_state", "two_level", "dots")]
 )
 
 
