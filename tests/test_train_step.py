@@ -5,14 +5,13 @@ the shared cases, under `jax.vmap` with an axis name, `apply_gradients(tx, grads
 opt_state, params)` matches `updates, opt_state = tx.update(...); params =
 apply_updates(params, updates)`: the transform alone, last in an `optax.chain`,
 inside `optax.inject_hyperparams`, and followed by another transform (where it cannot
-fuse and must fall back). A held step leaves the parameters bit for bit as they were.
-Every case runs alone; the other contexts run one case of each transform family
-(`CONTEXT_CASES` says which, and why that covers every path).
+fuse and must fall back). A held step of a fused run leaves the parameters bit for bit
+as they were. Every case runs, each transform family in every context (`ALONE` and
+`CONTEXT_CASES` say which case where, and why that covers every path).
 """
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -70,21 +69,30 @@ def _fused(tx):
     return step
 
 
-def _run(case: Case, tx, make_step, steps: int = STEPS):
-    """[(params, state)] after each of `steps` jitted steps (replica 0 under an axis)."""
+def _run(case: Case, tx, steps: int = STEPS):
+    """The canonical and the fused step side by side in one jitted program (one compile,
+    not one per step shape), each on its own params and state, the same gradients:
+    [(params, state)] of each after every one of `steps` steps (replica 0 under an
+    axis)."""
+    canonical, fused = _canonical(tx, case), _fused(tx)
+
+    def both(one, other, grads, extra):
+        return canonical(*one, grads, extra), fused(*other, grads, extra)
+
     params = case.params()
-    step = make_step(tx)
     if case.needs_axis:
         params = stack([params] * REPLICAS)
         state = jax.vmap(tx.init)(params)
-        fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), axis_name="replicas"))
+        fn = jax.jit(jax.vmap(both, in_axes=(0, 0, 0, None), axis_name="replicas"))
     else:
         state = tx.init(params)
-        fn = jax.jit(step)
-    out = []
+        fn = jax.jit(both)
+    one = other = (params, state)
+    out = ([], [])
     for i in range(steps):
-        params, state = fn(params, state, step_inputs(case, i, frozenset()), case.extra_args(i))
-        out.append(first((params, state)) if case.needs_axis else (params, state))
+        one, other = fn(one, other, step_inputs(case, i, frozenset()), case.extra_args(i))
+        for history, run in zip(out, (one, other), strict=True):
+            history.append(first(run) if case.needs_axis else run)
     return out
 
 
@@ -98,21 +106,31 @@ def _assert_close(a, b):
         )
 
 
-# Which (case, context) pairs run. Each is two compiles (canonical and fused), so not
-# all 11 x 4: every case runs alone (the transform's own fused step, and the held-step
-# check); each other context runs one case of each transform family (conditional,
-# sparse, agn, cross_shard, drop_stale). In the two contexts where the step fuses
-# (last_in_chain, inject_hyperparams) each fusing family (conditional, sparse,
-# drop_stale) runs once with a bound axis and once without (the vmapped sink is another
-# path), and each such context has both; followed_by_scale is the fallback, taken the
-# same way by every case. agn and cross_shard never fuse: apply_gradients is their
-# canonical step in any context.
+# Which (case, context) pairs run. Each is a compile (canonical and fused in one
+# program), so not all 11 x 4. Three families fuse (conditional, sparse, drop_stale): each of their
+# cases runs alone (the transform's own fused step) or, for the two that are their
+# namesake with an axis name and nothing else (tests/test_contract.py's AXIS_TWINS),
+# fused in a chain or inside inject_hyperparams, where the same sink takes the same
+# release. In the two contexts where the step fuses (last_in_chain,
+# inject_hyperparams) each fusing family runs once with a bound axis and once without
+# (the vmapped sink is another path), and each such context has both;
+# followed_by_scale is the fallback after a fused attempt, run once per fusing family.
+# agn and cross_shard never fuse: apply_gradients is their canonical step in any
+# context, the same fallback for each of their cases, so each runs once alone and
+# once inside inject_hyperparams (in a fusing position), their other cases there.
+ALONE = [
+    "conditional_accumulator",
+    "conditional_accumulator_sum_schedule",
+    "sparse_conditional_accumulator",
+    "agn",
+    "cross_shard_packed",
+    "drop_stale_gradients",
+    "drop_stale_gradients_shared",
+]
 CONTEXT_CASES = {
     "last_in_chain": [
         "conditional_accumulator_shared",
         "sparse_conditional_accumulator",
-        "agn",
-        "cross_shard_packed",
         "drop_stale_gradients_shared",
     ],
     "inject_hyperparams": [
@@ -125,46 +143,48 @@ CONTEXT_CASES = {
     "followed_by_scale": [
         "conditional_accumulator",
         "sparse_conditional_accumulator",
-        "agn",
-        "cross_shard_packed",
         "drop_stale_gradients_shared",
     ],
 }
+FUSING = ("conditional", "sparse", "drop_stale")
 _BY_NAME = {c.name: c for c in CASES}
-MATRIX = [(c, "alone") for c in CASES] + [
+MATRIX = [(_BY_NAME[name], "alone") for name in ALONE] + [
     (_BY_NAME[name], wrapper) for wrapper, names in CONTEXT_CASES.items() for name in names
 ]
 
 
 @pytest.mark.parametrize(("case", "wrapper"), MATRIX, ids=[f"{c.name}-{w}" for c, w in MATRIX])
 def test_apply_gradients_matches_the_canonical_step(case, wrapper):
-    """Alone, a held or dropped step of the fused run also leaves the params bit for
-    bit as they were (checked on this run: it needs no compile of its own)."""
+    """Wherever the step fuses (alone, last in a chain, inside inject_hyperparams), a
+    held or dropped step of the fused run also leaves the params bit for bit as they
+    were (checked on this run: it needs no compile of its own)."""
     tx = WRAPPERS[wrapper](case.make("replicas" if case.needs_axis else None))
-    canonical = _run(case, tx, functools.partial(_canonical, case=case))
-    fused = _run(case, tx, _fused)
+    canonical, fused = _run(case, tx)
     for i, (want, got) in enumerate(zip(canonical, fused, strict=True)):
         try:
             _assert_close(got, want)
         except AssertionError as e:
             raise AssertionError(f"step {i}: {e}") from None
-    if wrapper == "alone":
+    if wrapper != "followed_by_scale":
         _assert_held_steps_keep_params_bit_for_bit(case, fused)
 
 
-def test_the_matrix_runs_every_case_alone_and_every_family_in_every_context():
-    assert sorted(c.name for c, w in MATRIX if w == "alone") == sorted(CASE_IDS)
+def test_the_matrix_runs_every_case_and_every_fusing_family_in_every_context():
+    assert sorted({c.name for c, _ in MATRIX}) == sorted(CASE_IDS)
     families = ("conditional", "sparse", "agn", "cross_shard", "drop_stale")
     assert all(c.name.startswith(families) for c in CASES)
     for wrapper in WRAPPERS:
         names = [c.name for c, w in MATRIX if w == wrapper]
-        assert all(any(n.startswith(f) for n in names) for f in families), wrapper
+        wanted = families if wrapper in ("alone", "inject_hyperparams") else FUSING
+        assert all(any(n.startswith(f) for n in names) for f in wanted), wrapper
+    # Every fusing case fuses somewhere: alone, last in a chain or in inject_hyperparams.
+    fusing_where = {c.name for c, w in MATRIX if w != "followed_by_scale"}
+    assert {c.name for c in CASES if c.name.startswith(FUSING)} <= fusing_where
     fused = [(c, w) for c, w in MATRIX if w in ("last_in_chain", "inject_hyperparams")]
-    fusing = ("conditional", "sparse", "drop_stale")
-    for family in fusing:  # with and without an axis, over the fused contexts
+    for family in FUSING:  # with and without an axis, over the fused contexts
         assert {c.needs_axis for c, _ in fused if c.name.startswith(family)} == {True, False}
     for wrapper in ("last_in_chain", "inject_hyperparams"):  # and in each of them
-        assert {c.needs_axis for c, w in fused if w == wrapper and c.name.startswith(fusing)} == {
+        assert {c.needs_axis for c, w in fused if w == wrapper and c.name.startswith(FUSING)} == {
             True,
             False,
         }
@@ -224,7 +244,7 @@ def test_the_fused_step_reads_and_writes_no_params_when_it_holds():
         assert uses and all("stablehlo.while" in u or "stablehlo.case" in u for u in uses), uses
 
 
-FUSABLE = [c for c in CASES if c.name.startswith(("conditional", "sparse", "drop_stale"))]
+FUSABLE = [c for c in CASES if c.name.startswith(FUSING)]
 
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
