@@ -8,18 +8,23 @@
   never reaches the state.
 
 Every property for every case, except that a case which is another one with an axis
-name and nothing else (`AXIS_TWINS`) leaves the extra-argument, chain and
-inject_hyperparams tests to that one (see `AXIS_TWINS` for why).
+name and nothing else (`AXIS_TWINS`) leaves the extra-argument, scan, chain and
+inject_hyperparams tests to that one (see `AXIS_TWINS` for why). Each case's plain
+run is one compiled step (`_tx`), shared by the tests that compare with it and
+counted by the recompile test; the unknown extra argument rides in the chain's run.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import CASE_IDS, CASES, REPLICAS, Case, run, scan_run, trajectory
+from _cases import CASE_IDS, CASES, REPLICAS, Case, scan_run, trajectory
+from _cases import run as _run_tx
 
 import optax_accum
 
@@ -45,11 +50,12 @@ def case(request) -> Case:
 
 # Two cases are their namesake with an axis_name and nothing else: the same update,
 # where the axis only adds the psums of the reduction. How the extra arguments are
-# forwarded and how the transform nests in `optax.chain` or `optax.inject_hyperparams`
-# is not that reduction, so those tests run the namesake alone (test_train_step.py
-# runs conditional_accumulator_shared last in a chain, and
-# sparse_conditional_accumulator_shared inside inject_hyperparams). agn_delta_shared
-# and drop_stale_gradients_shared differ from their namesakes in more than the axis.
+# forwarded, how the transform nests in `optax.chain` or `optax.inject_hyperparams`,
+# and whether its state can be a `lax.scan` carry is not that reduction, so those tests
+# run the namesake alone (test_train_step.py runs conditional_accumulator_shared last
+# in a chain, and sparse_conditional_accumulator_shared inside inject_hyperparams; the
+# other axis-bound cases run psums inside scan here). agn_delta_shared and
+# drop_stale_gradients_shared differ from their namesakes in more than the axis.
 AXIS_TWINS = {
     "conditional_accumulator_shared": "conditional_accumulator",
     "sparse_conditional_accumulator_shared": "sparse_conditional_accumulator",
@@ -58,6 +64,26 @@ WITHOUT_AXIS_TWINS = [c for c in CASES if c.name not in AXIS_TWINS]
 without_axis_twins = pytest.mark.parametrize(
     "case", WITHOUT_AXIS_TWINS, ids=[c.name for c in WITHOUT_AXIS_TWINS]
 )
+
+
+@functools.cache
+def _tx(case: Case) -> tuple[optax.GradientTransformationExtraArgs, list]:
+    """The case's transform with its `update` counted: one per case in a test process,
+    so every plain run of the case (any length, poisoned or clean) is one compiled step
+    (`_cases.trajectory` caches it by transform), and the list counts its traces."""
+    traces = []
+    tx = case.make("replicas" if case.needs_axis else None)
+
+    def update(*args, **kwargs):
+        traces.append(1)
+        return tx.update(*args, **kwargs)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update), traces
+
+
+def run(case: Case, steps: int, *, tx=None) -> tuple:
+    """`_cases.run`, the case's own transform being the counted one of `_tx`."""
+    return _run_tx(case, steps, tx=tx if tx is not None else _tx(case)[0])
 
 
 def test_cases_cover_every_exported_transform():
@@ -93,40 +119,21 @@ def test_axis_twins_differ_only_by_the_axis():
         )
 
 
-@without_axis_twins
-def test_unknown_extra_argument_passes_through(case):
-    def with_unknown(i):
-        return {**case.extra_args(i), "unknown_extra_arg": jnp.float32(i)}
-
-    tagged = Case(**{**case.__dict__, "extra_args": with_unknown})
-    params, _ = run(tagged, 4)
-    expected, _ = run(case, 4)
-    _assert_trees_close(params, expected, rtol=0, atol=0)
-
-
 def test_second_call_does_not_recompile_and_update_keeps_state_structure_shapes_and_dtypes(
     case,
 ):
-    """One compiled step for both properties (they were two tests, two compiles): the
-    runs of 1, 2, 3 and 4 steps trace `update` once, and keep the state's avals."""
-    traces = []
-    tx = case.make("replicas" if case.needs_axis else None)
-
-    def counted(tx_update):
-        def update(*args, **kwargs):
-            traces.append(1)
-            return tx_update(*args, **kwargs)
-
-        return update
-
-    wrapped = optax.GradientTransformationExtraArgs(tx.init, counted(tx.update))
+    """One compiled step for both properties: the runs of 1, 2, 3 and 4 steps (and any
+    other run of the case in this process: `_tx`) trace `update` once, and keep the
+    state's avals."""
+    tx, traces = _tx(case)
     before = _avals(tx.init(case.params()))
     for steps in (1, 2, 3, 4):
-        _, state = run(case, steps, tx=wrapped)
+        _, state = run(case, steps)
         assert _avals(state) == before, f"{steps} steps"
     assert len(traces) == 1
 
 
+@without_axis_twins
 def test_works_inside_scan(case):
     expected_params, expected_state = run(case, STEPS)
     params, state = scan_run(case, STEPS)
@@ -143,10 +150,18 @@ def _has_step_state(state) -> bool:
 
 
 @without_axis_twins
-def test_works_inside_chain(case):
+def test_works_inside_chain_and_an_unknown_extra_argument_passes_through(case):
+    """In a chain, every step also given an extra argument no transform knows: the
+    chain hands it to the transform, which must pass it through (to its inner
+    optimizer, which ignores it) and give the plain run's params, bit for bit."""
+
+    def with_unknown(i):
+        return {**case.extra_args(i), "unknown_extra_arg": jnp.float32(i)}
+
+    tagged = Case(**{**case.__dict__, "extra_args": with_unknown})
     axis = "replicas" if case.needs_axis else None
     tx = optax.chain(optax.identity(), case.make(axis), optax.scale(1.0))
-    params, state = run(case, STEPS, tx=tx)
+    params, state = run(tagged, STEPS, tx=tx)
     expected, expected_state = run(case, STEPS)
     _assert_trees_close(params, expected, rtol=0, atol=0)
     if _has_step_state(expected_state):  # the accessors see through the chain
@@ -179,7 +194,7 @@ AXIS_BOUND = [c for c in CASES if c.needs_axis]
 @pytest.mark.parametrize("case", HOLDING, ids=[c.name for c in HOLDING])
 def test_nan_in_held_gradient_does_not_reach_updates(case):
     i = _first_step(case.hold_step)
-    _, _, updates = trajectory(case, i + 1, poison=frozenset({i}))
+    _, _, updates = trajectory(case, i + 1, tx=_tx(case)[0], poison=frozenset({i}))
     for u in jax.tree.leaves(updates[i]):
         assert np.all(np.asarray(u) == 0), f"held step {i} returned {u}"
 
@@ -187,8 +202,9 @@ def test_nan_in_held_gradient_does_not_reach_updates(case):
 @pytest.mark.parametrize("case", DROPPING, ids=[c.name for c in DROPPING])
 def test_nan_in_dropped_gradient_reaches_neither_state_nor_updates(case):
     i = _first_step(case.drop_step)
-    params, state, updates = trajectory(case, i + 3, poison=frozenset({i}))
-    clean_params, _, _ = trajectory(case, i + 3)
+    tx = _tx(case)[0]
+    params, state, updates = trajectory(case, i + 3, tx=tx, poison=frozenset({i}))
+    clean_params, _, _ = trajectory(case, i + 3, tx=tx)
     for leaf in jax.tree.leaves((params, state, updates)):
         if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
