@@ -64,31 +64,53 @@ def _fused(tx, params, state, grads, extra):
 STEPS = {"canonical": _canonical, "apply_gradients": _fused}
 
 
-def _train(tx, steps: int, *, step=_canonical, dtype=jnp.float32, extra=lambda i, s: {}):
-    params = _params(dtype)
-    state = tx.init(params)
-    run = jax.jit(functools.partial(step, tx), donate_argnums=(0, 1))
+def _train(*runs, steps: int, dtype=jnp.float32, extra=lambda i, s: {}) -> list:
+    """`runs`: (tx, step pattern) pairs, trained side by side in one jitted program (one
+    compile, not one per run), each on its own params, gradients and tags. Returns
+    [(params, state)], one per run."""
+    params = [_params(dtype) for _ in runs]
+    states = [tx.init(p) for (tx, _), p in zip(runs, params, strict=True)]
+
+    def all_steps(params, states, grads, extras):
+        out = [
+            step(tx, p, s, g, e)
+            for (tx, step), p, s, g, e in zip(runs, params, states, grads, extras, strict=True)
+        ]
+        return [p for p, _ in out], [s for _, s in out]
+
+    run = jax.jit(all_steps, donate_argnums=(0, 1))
     for i in range(steps):
-        params, state = run(params, state, _grads(i, params), extra(i, state))
-    return params, state
+        grads = [_grads(i, p) for p in params]
+        extras = [extra(i, s) for s in states]
+        params, states = run(params, states, grads, extras)
+    return list(zip(params, states, strict=True))
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_accumulators_k_deep_are_multisteps_of_the_product(depth):
+def test_accumulators_k_deep_are_multisteps_of_the_product():
     """Both step patterns (canonical and apply_gradients) against one pair of
-    references (one level with the product, MultiSteps), trained once per depth."""
+    references (one level with the product, MultiSteps). Three levels of different n:
+    a nest is built level by level, and its inner two levels are a 2-deep nest (each
+    level's sum, release and restart), so no separate 2-deep run."""
+    depth = 3
     with _compat.enable_x64():
         every = int(np.prod((2, 3, 2)[:depth]))
         steps = 2 * every + 1  # two releases, then one held step
-        flat, _ = _train(CA(adam(0.05), every), steps, dtype=jnp.float64)
         # MultiSteps keeps its running mean with float32 weights: ~1e-9 off in float64.
         multisteps = lenient(optax.MultiSteps(optax.adam(0.05), every))
-        want, _ = _train(multisteps, steps, dtype=jnp.float64)
+        nested = []
         for pattern in sorted(STEPS):
             tx = adam(0.05)
             for n in (2, 3, 2)[:depth]:
                 tx = CA(tx, n)
-            got, state = _train(tx, steps, step=STEPS[pattern], dtype=jnp.float64)
+            nested.append((tx, STEPS[pattern]))
+        (flat, _), (want, _), *runs = _train(
+            (CA(adam(0.05), every), _canonical),
+            (multisteps, _canonical),
+            *nested,
+            steps=steps,
+            dtype=jnp.float64,
+        )
+        for pattern, (got, state) in zip(sorted(STEPS), runs, strict=True):
             for k in want:
                 np.testing.assert_allclose(got[k], flat[k], rtol=1e-12, atol=1e-14, err_msg=pattern)
                 np.testing.assert_allclose(got[k], want[k], rtol=1e-7, atol=1e-9, err_msg=pattern)
@@ -116,10 +138,13 @@ def test_drop_stale_around_an_accumulator_drops_and_passes():
         for i, lag in enumerate(lags):
             if lag <= 1:
                 params, ref_state = ref_step(params, ref_state, _grads(i, params), {})
-        for pattern in sorted(STEPS):
-            got, state = _train(
-                DS(inner(), 1), len(lags), step=STEPS[pattern], dtype=jnp.float64, extra=tag
-            )
+        runs = _train(
+            *[(DS(inner(), 1), STEPS[pattern]) for pattern in sorted(STEPS)],
+            steps=len(lags),
+            dtype=jnp.float64,
+            extra=tag,
+        )
+        for pattern, (got, state) in zip(sorted(STEPS), runs, strict=True):
             for k in params:
                 np.testing.assert_allclose(
                     got[k], params[k], rtol=1e-12, atol=1e-14, err_msg=pattern
@@ -131,8 +156,12 @@ def test_drop_stale_around_an_accumulator_drops_and_passes():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_nests_match_one_level(dtype):
     """bfloat16 / float16 updates ride in float32 sums at every level."""
-    nested, _ = _train(DS(CA(CA(optax.sgd(0.5), 2), 1), 3), 6, dtype=dtype)
-    flat, _ = _train(CA(optax.sgd(0.5), 2), 6, dtype=dtype)
+    (nested, _), (flat, _) = _train(
+        (DS(CA(CA(optax.sgd(0.5), 2), 1), 3), _canonical),
+        (CA(optax.sgd(0.5), 2), _canonical),
+        steps=6,
+        dtype=dtype,
+    )
     for k in flat:
         assert nested[k].dtype == dtype
         np.testing.assert_array_equal(np.asarray(nested[k]), np.asarray(flat[k]))
@@ -217,8 +246,20 @@ INNERS = {
 }
 
 
-@pytest.mark.parametrize("pattern", sorted(STEPS))
-@pytest.mark.parametrize("inner", sorted(INNERS))
+# Each accumulator in one step pattern, each pattern once: the verdict reaches the
+# accumulator's predicate the same way in both; the step pattern only decides whether
+# its release branch also applies the updates (the sink, which tests/test_train_step.py
+# runs for each accumulator). conditional_accumulator takes the verdict in both
+# patterns in test_drop_stale_around_an_accumulator_drops_and_passes too.
+VERDICT_ROWS = [
+    ("conditional_accumulator", "canonical"),
+    ("sparse_conditional_accumulator", "apply_gradients"),
+]
+
+
+@pytest.mark.parametrize(
+    ("inner", "pattern"), VERDICT_ROWS, ids=[f"{i}-{p}" for i, p in VERDICT_ROWS]
+)
 def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, pattern):
     """drop_stale_gradients calls an accumulator directly with its verdict; a chain
     around the accumulator hides it, and drop_stale_gradients branches as before. Both
@@ -232,28 +273,32 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
             else lambda tx, p, s, g, e: _sparse_canonical(tx, p, s, g, e)
         )
     inner_type = type(INNERS[inner]().init(_params()))
-    results = []
-    for wrap in (lambda tx: tx, lambda tx: optax.chain(tx)):
-        tx = DS(wrap(INNERS[inner]()), 2)
-        params = _params()
-        state = tx.init(params)
-        run = jax.jit(functools.partial(step, tx))
-        trace = []
-        for i, lag in enumerate(lags):
-            tag = optax_accum.global_step(state) - lag
-            grads = _grads(i, params)
-            if inner.startswith("sparse"):  # rows i % 3 and 2 of w0, row 2 twice
-                rows = np.array([i % 3, 2, 2], np.int32)
-                values = jnp.asarray(np.asarray(grads["w0"])[rows])  # gathered on the host
-                grads["w0"] = optax_accum.IndexedSlices(
-                    jnp.asarray(rows), values, grads["w0"].shape
-                )
-            params, state = run(params, state, grads, {"local_step": tag})
-            inner_state = state.inner_state
+    # Gated and branched side by side in one jitted program (one compile, not two).
+    txs = [DS(wrap(INNERS[inner]()), 2) for wrap in (lambda tx: tx, optax.chain)]
+
+    def both(params, states, grads, extras):
+        runs = zip(txs, params, states, grads, extras, strict=True)
+        out = [step(tx, p, s, g, e) for tx, p, s, g, e in runs]
+        return [p for p, _ in out], [s for _, s in out]
+
+    run = jax.jit(both)
+    params = [_params() for _ in txs]
+    states = [tx.init(p) for tx, p in zip(txs, params, strict=True)]
+    results = [[] for _ in txs]
+    for i, lag in enumerate(lags):
+        grads = [_grads(i, p) for p in params]
+        if inner.startswith("sparse"):  # rows i % 3 and 2 of w0, row 2 twice
+            rows = np.array([i % 3, 2, 2], np.int32)
+            for g in grads:
+                values = jnp.asarray(np.asarray(g["w0"])[rows])  # gathered on the host
+                g["w0"] = optax_accum.IndexedSlices(jnp.asarray(rows), values, g["w0"].shape)
+        extras = [{"local_step": optax_accum.global_step(s) - lag} for s in states]
+        params, states = run(params, states, grads, extras)
+        for trace, p, s in zip(results, params, states, strict=True):
+            inner_state = s.inner_state
             if not isinstance(inner_state, inner_type):
                 inner_state = inner_state[0]  # inside the chain
-            trace.append((params, state._replace(inner_state=inner_state)))
-        results.append(trace)
+            trace.append((p, s._replace(inner_state=inner_state)))
     gated, branched = results
     assert optax_accum._gate.takes_verdict(INNERS[inner]())
     assert not optax_accum._gate.takes_verdict(optax.chain(INNERS[inner]()))
@@ -274,7 +319,7 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
 
 
 def _assert_close(a, b, message: str) -> None:
-    """Integers exactly; floats to a few ulps (the two programs fuse differently)."""
+    """Integers exactly; floats to a few ulps (the two runs fuse differently)."""
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype, message
     if np.issubdtype(a.dtype, np.floating):
