@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -397,7 +398,9 @@ def test_a_mesh_axis_name_under_plain_jit_says_what_to_do(make, mode):
         params = _placed(_params("dense"), DENSE_SPECS, mesh)
         state = tx.init(params)
         step = jax.jit(functools.partial(_update_step, tx, "canonical"))
-        with pytest.raises(ValueError, match=r"axis_name='\w+' names an axis of the current mesh"):
+        # One failing call (each retraces): both parts of the message read from its error.
+        with pytest.raises(
+            ValueError, match=r"axis_name='\w+' names an axis of the current mesh"
+        ) as e:
             step(params, state, params)
-        with pytest.raises(ValueError, match=r"jax\.shard_map"):
-            step(params, state, params)
+    assert re.search(r"jax\.shard_map", str(e.value)), e.value
