@@ -107,17 +107,17 @@ def _assert_close(a, b):
 
 
 # Which (case, context) pairs run. Each is a compile (canonical and fused in one
-# program), so not all 11 x 4. Three families fuse (conditional, sparse, drop_stale): each of their
-# cases runs alone (the transform's own fused step) or, for the two that are their
-# namesake with an axis name and nothing else (tests/test_contract.py's AXIS_TWINS),
-# fused in a chain or inside inject_hyperparams, where the same sink takes the same
-# release. In the two contexts where the step fuses (last_in_chain,
+# program), so not all 11 x 4. Three families fuse (conditional, sparse, drop_stale):
+# each of their cases runs alone (the transform's own fused step) or, for the two that
+# are their namesake with an axis name and nothing else (tests/test_contract.py's
+# AXIS_TWINS), fused in a chain or inside inject_hyperparams, where the same sink takes
+# the same release. In the two contexts where the step fuses (last_in_chain,
 # inject_hyperparams) each fusing family runs once with a bound axis and once without
 # (the vmapped sink is another path), and each such context has both;
 # followed_by_scale is the fallback after a fused attempt, run once per fusing family.
 # agn and cross_shard never fuse: apply_gradients is their canonical step in any
-# context, the same fallback for each of their cases, so each runs once alone and
-# once inside inject_hyperparams (in a fusing position), their other cases there.
+# context, the same fallback for each of their cases, so one case of each runs alone
+# and the other inside inject_hyperparams (a fusing position).
 ALONE = [
     "conditional_accumulator",
     "conditional_accumulator_sum_schedule",
