@@ -10,8 +10,9 @@
 Every property for every case, except that a case which is another one with an axis
 name and nothing else (`AXIS_TWINS`) leaves the extra-argument, scan, chain and
 inject_hyperparams tests to that one (see `AXIS_TWINS` for why). Each case's plain
-run is one compiled step (`_tx`), shared by the tests that compare with it and
-counted by the recompile test; the unknown extra argument rides in the chain's run.
+run is one compiled step (`_tx`), shared by the tests that compare with it or read
+its replicas, and counted by the recompile test; chain, inject_hyperparams and the
+unknown extra argument are one run (a chain inside inject_hyperparams).
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import CASE_IDS, CASES, REPLICAS, Case, scan_run, trajectory
+from _cases import (
+    CASE_IDS,
+    CASES,
+    REPLICAS,
+    Case,
+    _jitted_step,
+    scan_run,
+    stack,
+    step_inputs,
+    trajectory,
+)
 from _cases import run as _run_tx
 
 import optax_accum
@@ -150,36 +161,29 @@ def _has_step_state(state) -> bool:
 
 
 @without_axis_twins
-def test_works_inside_chain_and_an_unknown_extra_argument_passes_through(case):
-    """In a chain, every step also given an extra argument no transform knows: the
-    chain hands it to the transform, which must pass it through (to its inner
-    optimizer, which ignores it) and give the plain run's params, bit for bit."""
+def test_works_inside_chain_and_inject_hyperparams_and_passes_an_unknown_extra_argument(case):
+    """One run for three properties: the transform in an `optax.chain` inside
+    `optax.inject_hyperparams`, every step also given an extra argument no transform
+    knows (inject_hyperparams and the chain hand it to the transform, which must pass
+    it through to its inner optimizer, which ignores it), gives the plain run's
+    params bit for bit, and the accessors see through both wrappers."""
 
     def with_unknown(i):
         return {**case.extra_args(i), "unknown_extra_arg": jnp.float32(i)}
 
     tagged = Case(**{**case.__dict__, "extra_args": with_unknown})
     axis = "replicas" if case.needs_axis else None
-    tx = optax.chain(optax.identity(), case.make(axis), optax.scale(1.0))
+
+    def factory(scale):
+        return optax.chain(optax.identity(), case.make(axis), optax.scale(scale))
+
+    tx = optax.inject_hyperparams(factory)(scale=1.0)
     params, state = run(tagged, STEPS, tx=tx)
     expected, expected_state = run(case, STEPS)
     _assert_trees_close(params, expected, rtol=0, atol=0)
-    if _has_step_state(expected_state):  # the accessors see through the chain
-        assert int(optax_accum.global_step(state)) == int(optax_accum.global_step(expected_state))
-
-
-@without_axis_twins
-def test_works_inside_inject_hyperparams(case):
-    axis = "replicas" if case.needs_axis else None
-
-    def factory(scale):
-        return optax.chain(case.make(axis), optax.scale(scale))
-
-    tx = optax.inject_hyperparams(factory)(scale=1.0)
-    params, state = run(case, STEPS, tx=tx)
-    expected, _ = run(case, STEPS)
-    _assert_trees_close(params, expected, rtol=1e-6, atol=1e-6)
     assert float(state.hyperparams["scale"]) == 1.0
+    if _has_step_state(expected_state):
+        assert int(optax_accum.global_step(state)) == int(optax_accum.global_step(expected_state))
 
 
 def _first_step(predicate, limit=12):
@@ -214,22 +218,15 @@ def test_nan_in_dropped_gradient_reaches_neither_state_nor_updates(case):
 
 @pytest.mark.parametrize("case", AXIS_BOUND, ids=[c.name for c in AXIS_BOUND])
 def test_replicas_agree_under_axis(case):
-    """Under a bound axis, replica-invariant counters agree on every replica."""
-    tx = case.make("replicas")
-    params = jax.tree.map(lambda *x: jnp.stack(x), *[case.params()] * REPLICAS)
+    """Under a bound axis, replica-invariant counters agree on every replica (read
+    from every replica of the case's plain run: `_tx`'s compiled step)."""
+    tx, step = _jitted_step(case, _tx(case)[0], "replicas")
+    params = stack([case.params()] * REPLICAS)
     state = jax.vmap(tx.init)(params)
-    step = jax.jit(
-        jax.vmap(
-            lambda p, s, g, e: tx.update(g, s, p, **e),
-            in_axes=(0, 0, 0, None),
-            axis_name="replicas",
-        )
-    )
     for i in range(STEPS):
-        grads = jax.tree.map(
-            lambda *x: jnp.stack(x), *[case.replica_grads(i, r) for r in range(REPLICAS)]
+        params, state, _ = step(
+            params, state, step_inputs(case, i, frozenset()), case.extra_args(i)
         )
-        _, state = step(params, state, grads, case.extra_args(i))
         if _has_step_state(state):
             steps = np.asarray(optax_accum.global_step(state))
             assert np.all(steps == steps[0])

@@ -334,9 +334,9 @@ def _check_step(case: Case, step: Callable) -> None:
     if case.name == "agn":
         params = jax.tree.map(lambda p: jnp.stack([p] * N), params)
     args = (params, state, _inputs(lambda: 0)(0, data))
-    compiled = fn.lower(*args).compile()
+    traced = fn.trace(*args)  # one trace, lowered for each platform
+    compiled = traced.lower().compile()
     _check_window(collectives(compiled), case)
-    traced = fn.trace(*args)
     for platform in ("tpu", "cuda"):
         lowered = traced.lower(lowering_platforms=(platform,)).as_text(dialect="hlo")
         _check_window(collectives(lowered), case)

@@ -409,10 +409,10 @@ def _assert_types_kept(params, state, layout):
 # anchor) in both step shapes there, each other transform in one of them (the step
 # shape reaches the release through the same sink or the same `tx.update` for every
 # transform; tests/test_shard_map_window.py runs the sparse accumulator, drop_stale and
-# the nest in the other shape, under shard_map). The layouts and models run conditional_accumulator pairwise over step
-# shape x layout x model (tests/_matrix.py), so every step shape meets every layout and
-# every model, and every layout every model; TrainState (a wrapper of apply_gradients)
-# runs once, on two levels.
+# the nest in the other shape, under shard_map). The layouts and models run
+# conditional_accumulator pairwise over step shape x layout x model (tests/_matrix.py),
+# so every step shape meets every layout and every model, and every layout every
+# model; TrainState (a wrapper of apply_gradients) runs once, on two levels.
 MATRIX = (
     [
         ("conditional_accumulator", "apply_gradients", "data", "dots"),
@@ -455,8 +455,8 @@ def test_unreduced_grad_is_jax_grad_left_unreduced(layout):
     with jax.set_mesh(_mesh(layout)):
         placed, placed_batch = _place_params(params, layout), _place_batch(batch, layout)
         grad_fn = jax.jit(optax_accum.unreduced_grad(_any_loss, tuple(LAYOUTS[layout][4])))
-        grads = grad_fn(placed, placed_batch)
-        compiled = grad_fn.lower(placed, placed_batch).compile()
+        compiled = grad_fn.lower(placed, placed_batch).compile()  # one compile, read and run
+        grads = compiled(placed, placed_batch)
     reduced = LAYOUTS[layout][4]
     for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(placed), strict=True):
         assert _compat.sum_types(g) == (frozenset(), reduced), jax.typeof(g)
