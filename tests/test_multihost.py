@@ -42,7 +42,9 @@ def _run_workers(tmp_path: Path) -> list[Path]:
     port = _free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        # As conftest.py sets for this process: XLA:CPU's code unoptimised (the same
+        # results; LLVM's optimisation of these tiny programs costs more than it saves).
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
         "JAX_PLATFORMS": "cpu",
     }
     outs = [tmp_path / f"process{i}.npz" for i in range(2)]
