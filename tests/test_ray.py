@@ -38,15 +38,26 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def wait_until(predicate, what="condition"):
+    """Polls `predicate` (most often a call to an actor: a round trip through Ray, whose
+    CPU every process involved pays) every 20 ms until it holds."""
     deadline = time.monotonic() + WAIT
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached in {WAIT} s"
-        time.sleep(0.005)
+        time.sleep(0.02)
 
 
-@ray.remote(max_concurrency=4)
+@ray.remote(max_concurrency=8)
 class Process:
-    """Another process of the cluster, calling a handle's methods for the test."""
+    """Another process of the cluster, calling a handle's methods for the test.
+
+    It also runs an asynchronous worker (`train`) and can be the board the chief
+    publishes its parameters on (`publish`, `read`) for the training test, so those
+    run in the module's processes rather than in five more (each a fresh Python that
+    imports JAX and this module).
+    """
+
+    def __init__(self):
+        self.board = None
 
     def call(self, handle, method, *args, **kwargs):
         return jax.device_get(getattr(handle, method)(*args, **kwargs))
@@ -67,11 +78,40 @@ class Process:
                 log.write(f"{i}\n")
         return n
 
+    def publish(self, step, params, done=False):
+        self.board = (step, params, done)
+
+    def read(self):
+        return self.board
+
+    def train(self, acc, board, seed, delay):
+        """Computes gradients on its own data with a jitted step, at its own pace, and
+        sends them tagged with the step of the parameters it read from `board` (a
+        Process); returns its log."""
+        x, y = _data(seed)
+
+        @jax.jit
+        def gradient(params):
+            g = jax.grad(lambda p: jnp.mean((x @ p - y) ** 2))(params)
+            # On a grid of 2**-10 (and bounded): sums of a few are exact in any order.
+            return jnp.round(jnp.clip(g, -64, 64) * 1024) / 1024
+
+        log = []
+        while True:
+            step, params, done = ray.get(board.read.remote())
+            if done:
+                return log
+            grad = np.asarray(gradient(params))
+            time.sleep(delay)
+            log.append((step, grad, acc.apply_grad(grad, local_step=step)))
+
 
 @pytest.fixture(scope="module")
 def processes(ray_cluster):
-    """Two processes besides this one, started once for the module."""
-    procs = [Process.remote() for _ in range(2)]
+    """Four processes besides this one, started once for the module: the differential
+    test's two other callers are the first two; the training test's four workers are
+    all four (the first also its board). No test relies on what another left in them."""
+    procs = [Process.remote() for _ in range(4)]
     ray.get([p.pid.remote() for p in procs])
     yield procs
     for p in procs:
@@ -107,7 +147,7 @@ def test_random_program_from_three_processes_matches_in_process(processes, kind)
     local_type, ray_type, shape = types[kind]
     ref = local_type(np.float32, shape=shape)
     acc = ray_type(np.float32, shape=shape, shared_name=f"differential-{kind}")
-    callers = [None, *processes]  # None: this process
+    callers = [None, *processes[:2]]  # None: this process
     pool = concurrent.futures.ThreadPoolExecutor(4)
     ref_takes, ray_takes = [], []  # futures, in the order the takes were issued
     seen = {"queued take": 0, "stale": 0, "accepted": 0}
@@ -478,54 +518,23 @@ def test_a_restarted_actor_resumes_from_its_checkpoint(tmp_path):
 DIM, ROWS, STEPS, LEARNING_RATE = 8, 32, 6, 0.05
 
 
-@ray.remote(num_cpus=0)
-class Board:
-    """Where the chief publishes the parameters and their step for the workers."""
-
-    def __init__(self, params):
-        self.step, self.params, self.done = 0, params, False
-
-    def publish(self, step, params, done=False):
-        self.step, self.params, self.done = step, params, done
-
-    def read(self):
-        return self.step, self.params, self.done
-
-
 def _data(seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(ROWS, DIM)).astype(np.float32)
     return x, (x @ np.linspace(-1, 1, DIM, dtype=np.float32)).astype(np.float32)
 
 
-@ray.remote(num_cpus=0.5)
-def async_worker(acc, board, seed, delay):
-    """Computes gradients on its own data with a jitted step, at its own pace, and
-    sends them tagged with the step of the parameters it read; returns its log."""
-    x, y = _data(seed)
-
-    @jax.jit
-    def gradient(params):
-        g = jax.grad(lambda p: jnp.mean((x @ p - y) ** 2))(params)
-        # On a grid of 2**-10 (and bounded): sums of a few are exact in any order.
-        return jnp.round(jnp.clip(g, -64, 64) * 1024) / 1024
-
-    log = []
-    while True:
-        step, params, done = ray.get(board.read.remote())
-        if done:
-            return log
-        grad = np.asarray(gradient(params))
-        time.sleep(delay)
-        log.append((step, grad, acc.apply_grad(grad, local_step=step)))
-
-
-def test_four_asynchronous_workers_and_a_chief_match_the_in_process_accumulator():
+def test_four_asynchronous_workers_and_a_chief_match_the_in_process_accumulator(processes):
+    """Four worker processes (the module's) at their own paces, and this one the chief."""
     acc = oray.ConditionalAccumulator(np.float32, shape=(DIM,), shared_name="async-training")
     params = np.zeros(DIM, np.float32)
-    board = Board.remote(params)
+    board = processes[0]
+    ray.get(board.publish.remote(0, params))
     delays = (0.0, 0.02, 0.05, 0.3)  # the last one is mostly stale
-    workers = [async_worker.remote(acc, board, seed, d) for seed, d in enumerate(delays)]
+    workers = [
+        p.train.remote(acc, board, seed, d)
+        for p, seed, d in zip(processes, range(4), delays, strict=True)
+    ]
     taken = []
     for step in range(STEPS):
         taken.append(np.asarray(acc.take_grad(2, timeout=WAIT)))
@@ -548,7 +557,6 @@ def test_four_asynchronous_workers_and_a_chief_match_the_in_process_accumulator(
     x, y = _data(0)
     assert np.mean((x @ params - y) ** 2) < np.mean(y**2)  # it learned
     acc.kill()
-    ray.kill(board)
 
 
 @pytest.mark.parametrize(
