@@ -48,6 +48,7 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 SYNC = "sync SGD (cross_shard_optimizer)"
 TF_P4 = "agn P=4 (TF: outer = inner)"
 SCALED_P4 = "agn P=4, outer sgd(4*lr)"
+QUICK_METHODS = (SYNC, TF_P4, SCALED_P4, "agn delta P=4, DiLoCo outer")  # `--quick`'s
 
 
 # --------------------------------------------------------------------------- the methods
@@ -229,11 +230,14 @@ def run(
     cost_size: int = 2_000_000,
     cost_rounds: int = 11,
     progress: bool = True,
+    only: tuple[str, ...] | None = None,
 ) -> tuple[dict, list[list[Result]], list[list[Result]]]:
-    """Every figure: the report `main` writes, and the runs behind it (per seed)."""
+    """Every figure: the report `main` writes, and the runs behind it (per seed).
+    `only`: the methods of these names (default: every method; `TF_P4` always runs,
+    the longer run repeats it)."""
     if steps % 16:
         raise ValueError(f"steps must be a multiple of 16 (whole rounds), got {steps}")
-    selected = methods(lr)
+    selected = [m for m in methods(lr) if only is None or m.name in {*only, TF_P4}]
     per_seed = [study(Sizes(steps=steps, batch=batch, seed=s), selected, progress) for s in seeds]
     rows = _summarise(per_seed)
 
@@ -260,7 +264,12 @@ def report_rows(scale: Any) -> tuple[list, dict]:
     from benchmarks._report import Row
 
     if scale.quick:
-        report, per_seed, long = run(16, 8, seeds=(0,), cost_size=20_000, cost_rounds=1)
+        # A smoke test: one method of each kind (synchronous SGD, agn as TF runs it,
+        # with a scaled outer step, and by delta with a momentum outer step), each
+        # training program compiling once, at one period and one seed.
+        report, per_seed, long = run(
+            16, 8, seeds=(0,), cost_size=20_000, cost_rounds=1, only=QUICK_METHODS
+        )
     else:
         report, per_seed, long = run()
     methods_ = report["methods"]

@@ -262,9 +262,11 @@ def run(
     rounds: int = 2,
     names: Iterable[str] | None = None,
     progress: Callable[[Iterable], Iterable] = lambda it: it,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """Every figure, per transform: medians over `rounds` interleaved rounds after a
-    warm-up round, and the ratios to MultiSteps' figures of the same round."""
+    warm-up round (none without `warmup`: a smoke test, whose first round pays JAX's
+    first uses), and the ratios to MultiSteps' figures of the same round."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     names = list(names or TRANSFORMS)
@@ -272,7 +274,7 @@ def run(
         names.insert(0, BASELINE)
     params = model(leaves)
     samples: dict[str, list[dict]] = {n: [] for n in names}
-    order = [(r, n) for r in range(rounds + 1) for n in names]
+    order = [(r, n) for r in range(0 if warmup else 1, rounds + 1) for n in names]
     for r, name in progress(order):
         figures = measure(name, params)
         if r:  # round 0 warms up JAX's own caches (first uses of each primitive)
@@ -298,6 +300,7 @@ def run(
         "leaves": leaves,
         "parameters": sum(x.size for x in jax.tree.leaves(params)),
         "rounds": rounds,
+        "warmup": warmup,
         "target": TARGET,
         "results": results,
     }
@@ -305,14 +308,16 @@ def run(
 
 def report_rows(scale: Any) -> tuple[list, dict]:
     """The figures for `python -m benchmarks`: per transform, its trace, lower and
-    compile time over MultiSteps' (3 leaves and no reference rows with `scale.quick`)."""
+    compile time over MultiSteps' (`scale.quick`: 3 leaves, one round and no warm-up
+    round, and no reference rows: each transform's step compiles once)."""
     from benchmarks._report import Row
 
     # One round on an accelerator, whose time is short and whose host is not shared.
     leaves, rounds = (3, 1) if scale.quick else (LEAVES, 1 if scale.accelerator else 2)
     # A quick run checks our transforms; the references hold no code of ours.
     names = [n for n in TRANSFORMS if not (scale.quick and n in REFERENCES)]
-    report = run(leaves, rounds, names, progress=lambda it: scale.progress(it, desc="compile_time"))
+    progress = lambda it: scale.progress(it, desc="compile_time")  # noqa: E731
+    report = run(leaves, rounds, names, progress, warmup=not scale.quick)
     rows = []
     for name, r in report["results"].items():
         if name == BASELINE:

@@ -153,7 +153,9 @@ def bench_model(
     """Every pattern on model `name` (`quick`: tiny, and `apply_gradients` only), ours
     against MultiSteps, and the floor, interleaved."""
     module, batch, loss = model(name, quick, batch)
-    params = module.init(jax.random.key(0), batch[0])["params"]
+    # `quick`: one compiled init (the same params) instead of an eager op per layer.
+    init = jax.jit(module.init) if quick else module.init
+    params = init(jax.random.key(0), batch[0])["params"]
     contenders = {"floor": floor(module, params, batch, loss)}
     patterns = ("apply_gradients",) if quick else PATTERNS
     for pattern in patterns:

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -19,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_one_command_writes_every_benchmarks_report(tmp_path):
     """`python -m benchmarks --quick` runs every registered benchmark and writes the
     JSON, markdown and PNG reports, each naming the device, the jax version and the date."""
-    import jax
+    from test_benchmarks_sharded import check_mode
 
     from benchmarks.__main__ import BENCHMARKS
     from benchmarks.compile_time import REFERENCES, TRANSFORMS
@@ -59,6 +60,13 @@ def test_one_command_writes_every_benchmarks_report(tmp_path):
     assert cases["sharded"] == {
         f"64K {m} {p}" for m in modes for p in ("apply_gradients", "canonical")
     }
+    # Both sharding modes' layout and per-device memory (test_benchmarks_sharded.py
+    # runs the script's own command line for one mode).
+    sharded = report["benchmarks"]["sharded"]["details"]
+    assert sharded["mesh"] == {"data": 2, "fsdp": 4} and sharded["leaves"] == 8
+    assert set(sharded["results"]["64K"]) == set(modes)
+    for mode, m in sharded["results"]["64K"].items():
+        check_mode(mode, m)
 
     table = (tmp_path / "report.md").read_text()
     for text in (machine["device_kind"], f"jax {jax.__version__}", machine["date"]):
@@ -71,29 +79,29 @@ def test_one_command_writes_every_benchmarks_report(tmp_path):
     assert (tmp_path / "agn.png").exists()
 
 
-def test_dense_benchmark_reports_every_pattern_in_bfloat16(tmp_path):
-    """The script's own command line (float32 runs in the test above)."""
-    dtype = "bfloat16"
+def test_dense_benchmark_command_line_in_bfloat16(tmp_path, monkeypatch, capsys):
+    """The script's own command line, its `main` in this process (the refusal below
+    runs the script as a file), in bfloat16: every pattern runs in float32 in the test
+    above; here the canonical step (`tx.update`) and NNX (`NNXOptimizer`, through
+    `apply_gradients`), the two ways the patterns reach optax_accum, with `--pattern`
+    repeated. The script's own bfloat16 code (params, gradients, the float32 floor)
+    is the same for every pattern."""
+    from benchmarks import dense
+
+    dtype, patterns = "bfloat16", ("canonical", "NNX")
     out = tmp_path / "dense.json"
-    cmd = [
-        sys.executable,
-        "benchmarks/dense.py",
-        "--rounds",
-        "1",
-        "--size",
-        "64K",
-        "--dtype",
-        dtype,
-    ]
-    run = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "device: " in run.stdout and "jax " in run.stdout
+    argv = ["dense.py", "--rounds", "1", "--size", "64K", "--dtype", dtype, "--out", str(out)]
+    for pattern in patterns:
+        argv += ["--pattern", pattern]
+    monkeypatch.setattr(sys, "argv", argv)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as users run it
+        dense.main()
+    stdout = capsys.readouterr().out
+    assert "device: " in stdout and "jax " in stdout and "held/floor" in stdout
     report = json.loads(out.read_text())
     assert report["dtype"] == dtype
     results = report["results"]["64K"]
-    assert set(results) == {"canonical", "apply_gradients", "TrainState", "NNX"}
+    assert set(results) == set(patterns)
     for figures in results.values():
         for name in ("held_vs_floor", "base_held_vs_floor", "cycle_speedup"):
             assert math.isfinite(figures[name]) and figures[name] > 0, (name, figures)
@@ -110,19 +118,19 @@ def test_dense_benchmark_refuses_zero_rounds():
     assert run.returncode == 2 and "--rounds must be at least 1" in run.stderr
 
 
-def test_train_step_benchmark_refuses_an_empty_batch():
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.train_step", "--batch", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 2 and "--batch must be at least 1, got 0" in run.stderr
+def test_train_step_benchmark_refuses_an_empty_batch(monkeypatch, capsys):
+    from benchmarks import train_step
+
+    monkeypatch.setattr(sys, "argv", ["train_step.py", "--batch", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        train_step.main()
+    assert exit_.value.code == 2
+    assert "--batch must be at least 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("batch", [None, 3])
-@pytest.mark.parametrize("name", ["mlp", "block"])
+# Each model's own branch, once with its default batch and once with a given one: the
+# line that picks the batch is the same in both branches.
+@pytest.mark.parametrize(("name", "batch"), [("mlp", None), ("block", 3)])
 def test_train_step_models_take_their_default_or_a_given_batch(name, batch):
     """The models' batches, at the sizes the full run uses (the quick run builds only
     the tiny block): labels and targets match the inputs' batch size."""
