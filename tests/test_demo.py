@@ -1,11 +1,20 @@
 """`python -m optax_accum.demo`: --help, argument checks, the device and extra checks,
 every registered section at a small size, the results table (at most 100 columns,
-with a legend) and the PNG of the accuracy curves."""
+with a legend) and the PNG of the accuracy curves.
+
+One test starts a real `python -m optax_accum.demo` process (too few devices: JAX's
+device count is fixed when it starts); the rest run in this process, where the
+sections' compiled steps are shared: the command line through `runpy`, as
+`python -m` runs it, --help and the missing-extra message through `demo.main`. A
+process each would only add seconds of importing JAX (and compiling accumulate again).
+"""
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -20,10 +29,10 @@ HEAD = ["method", "acc.", "updates", "dropped", "all-red.", "s"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run_module(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
+def _run_module(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "optax_accum.demo", *args],
-        cwd=cwd,
+        cwd=ROOT,
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
@@ -54,13 +63,16 @@ def _section_rows(printed: str, section: str) -> list[str]:
     return [row for head in blocks if head.startswith(f"[{section}]") for row in blocks[head]]
 
 
-def test_help_lists_every_section_and_the_flags():
-    proc = _run_module("--help")
-    assert proc.returncode == 0, proc.stderr
+def test_help_lists_every_section_and_the_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m optax_accum.demo")
     for flag in ("--section", "--steps", "--batch", "--seed", "--plot"):
-        assert flag in proc.stdout
+        assert flag in out
     for name in demo.SECTIONS:
-        assert name in proc.stdout
+        assert name in out
 
 
 @pytest.mark.parametrize(
@@ -83,16 +95,26 @@ def test_bad_arguments_get_a_usage_error(args, message, capsys):
     assert message in err
 
 
-def test_command_line_runs_one_section_prints_the_table_and_saves_the_plot(tmp_path):
-    proc = _run_module("--section", "accumulate", "--steps", "4", "--batch", "4", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
+def test_command_line_runs_one_section_prints_the_table_and_saves_the_plot(
+    tmp_path, monkeypatch, capsys
+):
+    # `python -m optax_accum.demo ...` in this process: runpy runs the package's
+    # __main__ as `python -m` does (test_fewer_devices_... starts a real process). The
+    # batch is the comparison test's, so its compiled steps serve here too; a
+    # user's session has standard dtype promotion.
+    argv = ["--section", "accumulate", "--steps", "4", "--batch", "8"]
+    monkeypatch.setattr(sys, "argv", ["python -m optax_accum.demo", *argv])
+    monkeypatch.chdir(tmp_path)
+    with jax.numpy_dtype_promotion("standard"):
+        runpy.run_module("optax_accum.demo", run_name="__main__", alter_sys=True)
+    stdout = capsys.readouterr().out
+    lines = stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
-    assert list(_blocks(proc.stdout)) == [
+    assert list(_blocks(stdout)) == [
         "[accumulate] mild staleness: 4 workers (one 6x slower), Adam lr 3e-3",
         "[accumulate] heavy staleness: 16 workers (one 6x slower), Adam lr 3e-2",
     ]
-    for rows in _blocks(proc.stdout).values():
+    for rows in _blocks(stdout).values():
         rows = [row.strip().rsplit(None, 5) for row in rows]
         assert [r[0] for r in rows] == [
             "async adam, every gradient",
@@ -109,7 +131,7 @@ def test_command_line_runs_one_section_prints_the_table_and_saves_the_plot(tmp_p
         assert any(line.startswith(word) for line in lines), word
     plot = tmp_path / "optax_accum_demo.png"
     assert plot.read_bytes().startswith(PNG_MAGIC)
-    assert f"saved to {plot.name}" in proc.stdout
+    assert f"saved to {plot.name}" in stdout
 
 
 def test_fewer_devices_than_a_section_needs_is_explained_not_run():
@@ -122,16 +144,43 @@ def test_fewer_devices_than_a_section_needs_is_explained_not_run():
     assert "[data_parallel]" not in proc.stdout  # no table row
 
 
-def test_missing_extra_names_the_install_command():
-    # As if scikit-learn were not installed: an import of it fails.
-    code = "import sys; sys.modules['sklearn'] = None; from optax_accum.demo import main; main([])"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 1
-    assert "optax_accum.demo needs scikit-learn" in proc.stderr
-    assert 'pip install "optax-accum[demo]"' in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_missing_extra_names_the_install_command(monkeypatch):
+    # As if scikit-learn were not installed: an import of it fails. main exits with the
+    # message (SystemExit with a string: Python prints it, no traceback, and exits 1)
+    # before any section runs.
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([])
+    message = exit_info.value.code
+    assert isinstance(message, str)
+    assert "optax_accum.demo needs scikit-learn" in message
+    assert 'pip install "optax-accum[demo]"' in message
+
+
+def _module_level_imports(tree: ast.Module) -> set[str]:
+    """The top-level packages a module imports when it runs: its statements, and those
+    under a module-level `if` or `try`, but not inside functions (imported on call)."""
+    found, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.If | ast.Try):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return found
+
+
+def test_the_package_and_its_entry_point_import_none_of_the_extra():
+    # What `python -m optax_accum.demo` runs before main's check, without the extra:
+    # the package's __init__ and __main__ must not import it at module level.
+    for name in ("__init__.py", "__main__.py"):
+        tree = ast.parse((ROOT / "optax_accum" / "demo" / name).read_text())
+        imported = _module_level_imports(tree)
+        assert "optax_accum" in imported or name == "__init__.py"  # the walk sees imports
+        assert not imported & set(demo.EXTRA), (name, imported & set(demo.EXTRA))
 
 
 def test_table_is_at_most_100_columns_and_a_too_long_method_is_an_error():
