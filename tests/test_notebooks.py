@@ -11,8 +11,14 @@ Each notebook is executed in a fresh Jupyter kernel on the CPU, with the number 
 simulated devices its first cell sets taken from OPTAX_ACCUM_CPU_DEVICES (1 stands for
 a GPU or a single TPU chip, 8 for a TPU v2-8's cores), the kernel's inline (Agg)
 matplotlib backend, and a cell that shrinks `STEPS` inserted below the cell tagged
-"parameters". A cell that raises fails the test. The Colab install step is checked
-without a network: it must pin the runtime's jax and jaxlib.
+"parameters" (and, in the Ray notebook, `WORKERS`: two worker processes take the same
+path as four, for two fewer processes importing JAX and compiling). A cell that raises
+fails the test. The Colab install step is checked without a network: it must pin the
+runtime's jax and jaxlib.
+
+What a run costs is the kernel's imports (about 4 CPU seconds) and its compiles, not
+its steps: halving QUICK_STEPS changes nothing measurable, so it stays where every
+curve gets its points and AGN's period 16 gets a round.
 """
 
 from __future__ import annotations
@@ -176,11 +182,16 @@ RUNS = [(p, 1 if p.stem == "ray_async_workers" else 8) for p in NOTEBOOKS]
 RUNS += [(p, 1) for p in NOTEBOOKS if p.stem == "data_parallel_cross_shard"]
 
 
+# Parameters the runs set below the "parameters" cell, besides STEPS.
+QUICK_PARAMETERS = {"ray_async_workers": "WORKERS = 2"}
+
+
 @pytest.mark.parametrize(("path", "devices"), RUNS, ids=[f"{p.stem}-{d}" for p, d in RUNS])
 def test_notebook_runs_top_to_bottom(path, devices, tmp_path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     (at,) = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
-    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(f"STEPS = {QUICK_STEPS}"))
+    quick = "\n".join([f"STEPS = {QUICK_STEPS}", QUICK_PARAMETERS.get(path.stem, "")]).strip()
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(quick))
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline (Agg) backend
     # The notebook's own first cell sets the devices; unoptimised machine code, as for
     # every test (conftest.py says why).
