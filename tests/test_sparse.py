@@ -406,7 +406,7 @@ def test_skip_nonfinite_skips_and_counts():
             optax.identity(), 2, capacity=2, sparse=True, skip_nonfinite=skip
         )
         offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
-        offer(_g([1], [[np.nan, 1.0]]))
+        offer(_g([1, ROWS], [[np.nan, 1.0], [0.0, 0.0]]))  # padded: one shape, one compile
         assert int(box["state"].num_nonfinite) == int(skip)
         assert int(box["state"].count) == int(not skip)
         offer(_g([2, ROWS], [[1.0, 1.0], [np.nan, np.inf]]))  # NaN in a padding row only
@@ -482,6 +482,9 @@ def test_axis_name_on_eight_devices_matches_the_reference():
             "d": DenseRows(P("i"), P("i"), P("i")),
         }
     )
+    # Placed as the step returns it, so every step runs the first step's compile (an
+    # uncommitted first state would compile the program a second time).
+    state = jax.device_put(state, jax.tree.map(lambda p: jax.NamedSharding(mesh, p), state_spec))
     out_spec = {"e": IndexedSlices(P(), P(), (ROWS, 2)), "d": P()}
 
     def local(state, i, v, d, ls):
@@ -550,23 +553,24 @@ def test_update_does_no_table_sized_work():
 
 
 def test_axis_name_under_pmap():
-    """pmap over 4 devices: replica r offers row r % 3 with value r; row 0 is touched
-    twice. Up to `_row_buffer._UNROLL` (8) replicas the insertion runs the same unrolled
-    code whatever their number, and each replica costs its own copy of it in the
-    compiled program, so 4 replicas check pmap for a fraction of 8's compile time (the
-    shard_map test above runs 8 devices, the ten-replica vmap test the scanned path)."""
-    n = 4
+    """pmap over 2 devices: replica r offers rows 0 and r + 1 with value r + 1; row 0
+    is touched twice. Up to `_row_buffer._UNROLL` (8) replicas the insertion runs the
+    same unrolled code whatever their number, and each replica costs its own copy of it
+    in the compiled program, so 2 replicas check pmap for a fraction of 8's compile time
+    (the shard_map test above runs 8 devices, the ten-replica vmap test the scanned
+    path)."""
+    n = 2
     tx = sparse_conditional_accumulator(optax.identity(), n, capacity=8, sparse=True, axis_name="i")
     params = jnp.zeros((ROWS, 2))
     state = jax.pmap(tx.init, axis_name="i")(jnp.stack([params] * n))
-    ids = (jnp.arange(n, dtype=jnp.int32) % 3)[:, None]
-    values = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[:, None, None], (n, 1, 2))
+    ids = jnp.asarray([[0, r + 1] for r in range(n)], jnp.int32)
+    values = jnp.asarray([[[r + 1.0] * 2] * 2 for r in range(n)], jnp.float32)
     offer = jax.pmap(lambda s, i, v: tx.update(IndexedSlices(i, v, (ROWS, 2)), s), axis_name="i")
     u, state = offer(state, ids, values)
     for r in range(n):
         got_ids, got_vals = _rows(jax.tree.map(lambda x, r=r: x[r], u))
         assert got_ids == [0, 1, 2]
-        np.testing.assert_allclose(got_vals[:, 0], [1.5, 1, 2])  # row 0: (0 + 3) / 2
+        np.testing.assert_allclose(got_vals[:, 0], [1.5, 1, 2])  # row 0: (1 + 2) / 2
     assert np.all(np.asarray(state.global_step) == 1)
 
 
