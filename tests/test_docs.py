@@ -42,6 +42,7 @@ TF_ORIGINALS = (
 CONFIRMED = {
     "https://github.com/google-deepmind/optax",
     "https://docs.jax.dev/en/latest/installation.html",
+    "https://github.com/astral-sh/uv",  # the README's installer
     "http://www.apache.org/licenses/",  # LICENSE
     "http://www.apache.org/licenses/LICENSE-2.0",  # LICENSE
 }
