@@ -7,9 +7,9 @@ Runs every benchmark registered in `BENCHMARKS` on whatever backend JAX has (on 
 or TPU, with the accelerator sizes too: 268M dense parameters, a 10M x 64 table) and
 writes `DIR/report.json` (every figure), `DIR/report.md` (a table per benchmark) and
 `DIR/report.png` (every ratio against its target), each with the device kind, the
-jax version and the date. The report is rewritten after each benchmark, so a run cut
-short keeps what it measured; a benchmark that fails is reported as failed and the
-others still run (exit status 1).
+jax version and the date. The JSON and markdown reports are rewritten after each
+benchmark, so a run cut short keeps what it measured (the plot is drawn at the end); a
+benchmark that fails is reported as failed and the others still run (exit status 1).
 
 Run it from the repository root: `python -m` puts the current folder first on the
 path, so the checkout's `optax_accum` is measured (`report.json` records which).
@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["seconds"] = time.perf_counter() - start
         report["benchmarks"][name] = entry
         report["seconds"] = sum(b["seconds"] for b in report["benchmarks"].values())
-        _report.write(report, args.out)
+        _report.write(report, args.out, png=False)  # the figures so far, if cut short
         print(f"{name}: {entry['seconds']:.0f} s" + (" FAILED" if name in failed else ""))
+    _report.write(report, args.out)
     print(_report.markdown(report))
     print(f"wrote {args.out / 'report.json'}, report.md and report.png")
     return 1 if failed else 0

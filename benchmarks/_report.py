@@ -178,9 +178,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write(report: dict[str, Any], out: Path) -> None:
-    """`out/report.json`, `out/report.md` and `out/report.png`."""
+def write(report: dict[str, Any], out: Path, png: bool = True) -> None:
+    """`out/report.json`, `out/report.md` and (unless `png=False`) `out/report.png`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
-    plot(report, out / "report.png")
+    if png:
+        plot(report, out / "report.png")
