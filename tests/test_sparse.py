@@ -135,14 +135,21 @@ def test_stale_gradients_are_dropped_future_ones_accepted():
 
 
 def test_empty_gradient_is_accepted_and_counts():
-    tx = sparse_conditional_accumulator(optax.identity(), 2, capacity=2, sparse=True)
-    offer, box = _feeder(tx, jnp.zeros((ROWS, 2)))
+    """An empty gradient to a row buffer ("s") and to a dense leaf ("d"): counted, and a
+    window of them releases no rows (the property test below pads its empty gradients,
+    so this is where a zero-row gradient reaches both kinds of leaf)."""
+    tx = sparse_conditional_accumulator(
+        optax.identity(), 2, capacity=2, sparse={"s": True, "d": False}
+    )
+    offer, box = _feeder(tx, {"s": jnp.zeros((ROWS, 2)), "d": jnp.zeros((ROWS, 2))})
     empty = IndexedSlices(jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2)), (ROWS, 2))
-    offer(empty)
+    offer({"s": empty, "d": empty})
     assert int(optax_accum.num_accumulated(box["state"])) == 1
-    offer2, _ = _feeder(tx, jnp.zeros((ROWS, 2)))
-    offer2(empty)
-    assert _rows(offer2(empty))[0] == []
+    assert type(box["state"].accumulator["d"]).__name__ == "DenseRows"
+    u = offer({"s": empty, "d": empty})
+    assert bool(box["state"].emitted)
+    assert _rows(u["s"])[0] == []
+    np.testing.assert_array_equal(_dense_meaning(u["d"]), np.zeros((ROWS, 2)))
 
 
 def test_duplicates_sum_and_count_once_unsorted_ids_come_back_sorted():
@@ -366,6 +373,8 @@ def test_construction_errors_name_the_argument():
 
 
 def test_trace_time_errors_for_bad_gradients():
+    """Every bad gradient raises while tracing; the good ones are lowered, not compiled
+    (what is checked is that tracing accepts them: running them is other tests' work)."""
     params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros(2)}
     tx = sparse_conditional_accumulator(
         optax.identity(), 1, capacity=2, sparse={"e": True, "d": False}
@@ -373,7 +382,7 @@ def test_trace_time_errors_for_bad_gradients():
     state = tx.init(params)
     update = jax.jit(tx.update)
     ok = {"e": _g([0], [[1, 1]]), "d": jnp.zeros(2)}
-    update(ok, state)
+    update.lower(ok, state)
     cases = [
         ({**ok, "e": jnp.zeros((ROWS, 2))}, TypeError, r"updates\['e'\] must be an IndexedSlices"),
         (
@@ -397,7 +406,7 @@ def test_trace_time_errors_for_bad_gradients():
     with pytest.raises(TypeError, match="local_step"):
         update(ok, state, local_step=1.5)
     # An unknown row count (TF's -1) is accepted.
-    update({**ok, "e": _g([0], [[1, 1]], (-1, 2))}, state)
+    update.lower({**ok, "e": _g([0], [[1, 1]], (-1, 2))}, state)
 
 
 def test_skip_nonfinite_skips_and_counts():
@@ -578,7 +587,16 @@ def test_axis_name_under_pmap():
 
 
 def _dense_meaning(u) -> np.ndarray:
-    return np.asarray(u.to_dense() if isinstance(u, IndexedSlices) else u)
+    """What `IndexedSlices.to_dense` gives (rows scatter-added, padding ignored), in
+    NumPy: no scatter compiled per shape and dtype (test_indexed_slices checks
+    to_dense itself)."""
+    if not isinstance(u, IndexedSlices):
+        return np.asarray(u)
+    ids, values = np.asarray(u.indices), np.asarray(u.values)
+    real = (ids >= 0) & (ids < u.dense_shape[0])
+    dense = np.zeros(u.dense_shape, values.dtype)
+    np.add.at(dense, ids[real], values[real])
+    return dense
 
 
 @pytest.mark.parametrize("capacity", [3, 5, 6, 64])
@@ -622,20 +640,20 @@ def _boundary_capacities(touched: int) -> list[int]:
 
 
 def _padded(ids: list, values: list, nnz: int = 5) -> IndexedSlices:
-    """A gradient padded to `nnz` rows with the padding id `ROWS` (an empty one stays
-    empty): the same dense meaning, in one of two shapes, so the compilations do not
-    multiply by every gradient size (no code branches on it; padding ids, with values,
-    are among the drawn ids anyway)."""
-    if ids:
-        pad = nnz - len(ids)
-        ids, values = list(ids) + [ROWS] * pad, list(values) + [[7.0, 7.0]] * pad
+    """A gradient padded to `nnz` rows with the padding id `ROWS` (an empty one too):
+    the same dense meaning, in one shape, so the compilations do not multiply by every
+    gradient size (no code branches on it; padding ids, with values, are among the
+    drawn ids anyway; a zero-row gradient reaches both kinds of leaf in
+    `test_empty_gradient_is_accepted_and_counts`)."""
+    pad = nnz - len(ids)
+    ids, values = list(ids) + [ROWS] * pad, list(values) + [[7.0, 7.0]] * pad
     return _g(np.asarray(ids, np.int32), np.reshape(np.asarray(values, np.float32), (-1, 2)))
 
 
 @functools.cache
 def _capacity_update(capacity: int, mean: bool):
     """One transform and update per (capacity, mean), shared by every example, so each
-    gradient shape compiles once (and there are two: see `_padded`). At and beyond the
+    setup compiles once (every gradient has one shape: see `_padded`). At and beyond the
     table's rows the leaf is dense and never reads the capacity: those setups lower to
     one program and share its compile (`_compiled.compiled_once`)."""
     tx = sparse_conditional_accumulator(
@@ -643,12 +661,8 @@ def _capacity_update(capacity: int, mean: bool):
     )
     state = tx.init(jnp.zeros((ROWS, 2)))
 
-    @functools.cache
-    def compiled(nnz: int):
-        like = _g(np.zeros(nnz, np.int32), np.zeros((nnz, 2), np.float32))
-        return compiled_once(lambda g, s: tx.update(g, s, local_step=None), like, state)
-
-    return tx, lambda g, s: compiled(g.indices.shape[0])(g, s)
+    like = _padded([], [])
+    return tx, compiled_once(lambda g, s: tx.update(g, s, local_step=None), like, state)
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -692,64 +706,48 @@ def test_every_capacity_releases_the_per_row_mean(mean, window):
 # not a 300-row table (70,000 rows would be the same case); int8 holds none of the
 # three sizes, so one is enough. The 16-bit dtypes hold 256 and 300 alike (300: id 299
 # is the last row) but not 70,000; the 32-bit dtypes hold all three alike, and 70,000
-# gives them the largest ids.
-_ID_TABLES = [
-    (256, "uint8"),
-    (300, "uint8"),
-    (256, "int8"),
-    (300, "int16"),
-    (70_000, "int16"),
-    (300, "uint16"),
-    (70_000, "uint16"),
-    (70_000, "uint32"),
-    (70_000, "int32"),
-]
+# gives them the largest ids. Every dtype of a table size is its own pair of leaves in
+# one tree, so each table size compiles one program.
+_ID_TABLES = {
+    256: ["uint8", "int8"],
+    300: ["uint8", "int16", "uint16"],
+    70_000: ["int16", "uint16", "uint32", "int32"],
+}
 
 
-@functools.cache
-def _id_update(rows: int):
-    """The initial state and jitted update for a table, shared by the id dtypes (each
-    dtype compiles its own program; the int32 reference is shared). One transform holds
-    the table twice, as a sparse leaf ("s") and as a dense leaf ("d"), so each program
-    checks both leaf kinds' id handling at once."""
+@pytest.mark.parametrize("rows", list(_ID_TABLES))
+def test_ids_of_every_integer_dtype_are_exact(rows):
+    """A byte vocabulary of 256 rows (and tables beyond what 8 and 16 bits hold) with
+    the largest ids each dtype holds, each dtype offered to a sparse leaf ("s_<dtype>")
+    and a dense leaf ("d_<dtype>"): exactly those rows released, nothing counted out of
+    range."""
+    dtypes = _ID_TABLES[rows]
+    candidates = (0, 3, 127, 128, 255, 299, 32767, 65535, 69_999)
+    grads, expected = {}, {}
+    for dtype in dtypes:
+        info = np.iinfo(dtype)
+        ids = [i for i in candidates if i <= min(info.max, rows - 1)]
+        values = np.arange(2 * len(ids), dtype=np.float32).reshape(-1, 2) + 1
+        dense = np.zeros((rows, 2), np.float32)
+        dense[ids] = values
+        for kind in ("s", "d"):
+            grads[f"{kind}_{dtype}"] = IndexedSlices(
+                jnp.asarray(np.asarray(ids, dtype)), jnp.asarray(values), (rows, 2)
+            )
+            expected[f"{kind}_{dtype}"] = dense
     tx = sparse_conditional_accumulator(
-        optax.identity(), 2, capacity=16, sparse={"s": True, "d": False}
+        optax.identity(), 2, capacity=16, sparse={k: k.startswith("s_") for k in grads}
     )
     table = jnp.zeros((rows, 2))
-    return tx.init({"s": table, "d": table}), jax.jit(tx.update)
-
-
-@pytest.mark.parametrize(("rows", "dtype"), _ID_TABLES)
-def test_ids_of_every_integer_dtype_are_exact(rows, dtype):
-    """A byte vocabulary of 256 rows (and tables beyond what 8 and 16 bits hold) with
-    the largest ids the dtype holds: the same release as int32 ids, nothing counted
-    out of range, for a sparse and a dense leaf."""
-    info = np.iinfo(dtype)
-    candidates = (0, 3, 127, 128, 255, 299, 32767, 65535, 69_999)
-    ids = [i for i in candidates if i <= min(info.max, rows - 1)]
-    values = np.arange(2 * len(ids), dtype=np.float32).reshape(-1, 2) + 1
-    # Padded to every candidate's length with zero rows of id 0 (duplicates: summed,
-    # counted once), so the int32 reference compiles once per table.
-    pad = len(candidates) - len(ids)
-    padded_ids = ids + [0] * pad
-    padded_values = np.concatenate([values, np.zeros((pad, 2), np.float32)])
-    state, update = _id_update(rows)
-    released = {}
-    for as_dtype in (dtype, "int32"):
-        g = IndexedSlices(
-            jnp.asarray(np.asarray(padded_ids, as_dtype)), jnp.asarray(padded_values), (rows, 2)
-        )
-        s = state
-        for _ in range(2):
-            u, s = update({"s": g, "d": g}, s)
-        assert int(s.num_out_of_range) == 0 and bool(s.emitted)
-        assert type(s.accumulator["s"]).__name__ == "RowBuffer"
-        assert type(s.accumulator["d"]).__name__ == "DenseRows"
-        released[as_dtype] = {k: _dense_meaning(v) for k, v in u.items()}
-    for leaf in ("s", "d"):
-        got, dense = released[dtype][leaf], released["int32"][leaf]
-        np.testing.assert_array_equal(got, dense)
-        np.testing.assert_array_equal(dense[ids], values)
+    s = tx.init(dict.fromkeys(grads, table))
+    update = jax.jit(tx.update)
+    for _ in range(2):
+        u, s = update(grads, s)
+    assert int(s.num_out_of_range) == 0 and bool(s.emitted)
+    for leaf, dense in expected.items():
+        kind = "RowBuffer" if leaf.startswith("s_") else "DenseRows"
+        assert type(s.accumulator[leaf]).__name__ == kind, leaf
+        np.testing.assert_array_equal(_dense_meaning(u[leaf]), dense, err_msg=leaf)
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse leaf", "dense leaf"])
@@ -858,7 +856,9 @@ def test_nested_vmap_with_a_tuple_axis_name():
     nested = jax.jit(jax.vmap(jax.vmap(make(("b", "a")), axis_name="a"), axis_name="b"))(
         *(x.reshape(b, a, *x.shape[1:]) for x in (ids, values, dense))
     )
-    nested = jax.tree.map(lambda x: x.reshape(b * a, *x.shape[2:]), nested)
+    # Reshaped and indexed in NumPy: eager jnp ops would compile one program per leaf.
+    nested = jax.tree.map(lambda x: np.asarray(x).reshape(b * a, *x.shape[2:]), nested)
+    flat = jax.tree.map(np.asarray, flat)
     jax.tree.map(np.testing.assert_array_equal, nested, flat)
     u, state = flat
     assert bool(state.emitted[0])
@@ -1083,20 +1083,25 @@ def test_mixed_precision_on_the_axis_path(param_dtype, grad_dtype):
         updates, state = shared.update(grads, state, params)
         return optax_accum.apply_updates(params, updates), state
 
-    pair = jax.tree.map(lambda x: jnp.stack([x, x]), (params, shared.init(params)))
+    # Stacked in NumPy: eager jnp.stack would compile one program per leaf and dtype.
+    def two(tree):
+        return jax.tree.map(lambda x: np.stack([np.asarray(x)] * 2), tree)
+
+    pair = two((params, shared.init(params)))
     pair_step = jax.jit(jax.vmap(run, axis_name="r"))
     alone, single_step = _sgd_step()
     single = (params, alone.init(params))
     for i in range(2):
         grads = _mixed_grads(i, grad_dtype)
-        pair = pair_step(*pair, jax.tree.map(lambda x: jnp.stack([x, x]), grads))
+        pair = pair_step(*pair, two(grads))
         single = single_step(*single, grads)[:2]
         single = single_step(*single, grads)[:2]
     for k in params:
         assert pair[0][k].dtype == param_dtype
-        np.testing.assert_array_equal(np.asarray(pair[0][k][0]), np.asarray(pair[0][k][1]))
+        got = np.asarray(pair[0][k])
+        np.testing.assert_array_equal(got[0], got[1])
         np.testing.assert_allclose(
-            np.asarray(pair[0][k][0], np.float32),
+            np.asarray(got[0], np.float32),
             np.asarray(single[0][k], np.float32),
             rtol=1e-2,
             atol=1e-2,
