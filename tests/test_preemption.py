@@ -1,12 +1,16 @@
 """Training survives SIGKILL: restarted from its Orbax checkpoint, it ends bit-identical.
 
-One real subprocess (tests/preemption_worker.py) trains every Case of tests/_cases.py,
-checkpointing params and optimizer state with Orbax after each step. The test kills it
-with SIGKILL at seeded random steps after a checkpoint, once while it waits and once
-while it is running the next step (possibly mid checkpoint write), restarts it each
-time, and lets it finish. Every case's final params and state must be bit-identical
-to an uninterrupted run of the same steps (which the first process runs before
-training). Every wait on the subprocess is bounded, and it is killed in `finally`.
+One real subprocess (tests/preemption_worker.py) trains one Case of tests/_cases.py
+per transform family (`preemption_worker.CASE_NAMES`, in the shared axis-name form
+where the family has one: the axis twins tests/test_orbax.py does not restore; it
+restores every case left out here in a fresh process, and every launch here re-traces
+each case it trains), checkpointing params and optimizer state with Orbax after each
+step. The test kills it with SIGKILL at seeded random steps after a checkpoint, once
+while it waits and once while it is running the next step (possibly mid checkpoint
+write), restarts it each time, and lets it finish. Every case's final params and state
+must be bit-identical to an uninterrupted run of the same steps (which the first
+process runs before training). Every wait on the subprocess is bounded, and it is
+killed in `finally`.
 
 The worker processes share a persistent XLA compilation cache in the test's temporary
 directory, so a restart does not recompile what the first process compiled.
@@ -28,7 +32,7 @@ import threading
 import _session
 import jax
 import pytest
-from _cases import CASE_IDS
+from preemption_worker import CASE_NAMES
 
 TOTAL = 8
 SEED = 20261122
@@ -158,7 +162,7 @@ def test_killed_at_every_planned_step_and_restarted_from_a_checkpoint(preempted_
         assert resumed == step if plan[step] == "waiting" else resumed in (step, step + 1)
 
 
-@pytest.mark.parametrize("name", CASE_IDS)
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_final_params_and_state_bit_identical_to_an_uninterrupted_run(preempted_run, name):
     want, got = preempted_run["reference"][name], preempted_run["final"][name]
     assert got.keys() == want.keys()
