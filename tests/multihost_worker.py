@@ -210,7 +210,7 @@ def program() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
     n = len(devices)
-    linear = {"w": jnp.zeros((5, 2)), "b": jnp.zeros(2)}
+    linear = {"w": np.zeros((5, 2), np.float32), "b": np.zeros(2, np.float32)}
     xs, ys = _data(0, n * PER_REPLICA, 5, 2)
     results = {}
 
@@ -235,7 +235,9 @@ def program() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     }
 
     model = MLP()
-    mlp = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+    # One compiled init, not one small compile per initializer op (a dozen and more, in
+    # every process): the same init in both processes and in the test's.
+    mlp = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 6), np.float32))["params"]
     cx, cy = _data(1, n * PER_REPLICA, 6, 3, classes=True)
 
     def mlp_loss(params, x, y):
