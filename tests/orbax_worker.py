@@ -18,6 +18,7 @@ uninterrupted run. The scenarios are defined here, once, for both processes.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import pickle
 import sys
@@ -121,6 +122,21 @@ def sharded() -> Scenario:
 def scenarios() -> dict[str, Scenario]:
     found = [from_case(c) for c in CASES] + [sharded()]
     return {s.name: s for s in found}
+
+
+def compile_cache_dir(tmp_path_factory: Any) -> pathlib.Path:
+    """A persistent XLA compilation cache for this test session's checkpoint workers.
+
+    tests/test_preemption.py's launches write it, and this script, run by
+    tests/test_orbax.py, reads it: both build their steps with `from_case`, so the
+    cases they share compile once. Under pytest-xdist it sits in the directory the
+    workers share. A cached executable is the one the compiler would build (same
+    program, flags and devices), so the results do not depend on the cache.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        base = base.parent
+    return base / "checkpoint_xla_cache"
 
 
 def checkpoint_dir(root: pathlib.Path, name: str, step: int) -> pathlib.Path:

@@ -26,17 +26,19 @@ import _checkpoint
 import orbax_worker
 from _cases import CASES
 
-# One case of each transform family: conditional_accumulator, its sparse variant, agn,
-# cross_shard_optimizer and drop_stale_gradients, in the shared (axis-name) form where
-# the family has one (state stacked over the replicas). tests/test_orbax.py restores
-# every case left out here (and never the two axis twins kept here) from a mid-window
-# checkpoint in a fresh process, through the same Orbax restore of the same state
-# types; what this run adds, a SIGKILL while waiting or mid step and a restart from
-# the newest complete checkpoint, does not depend on the transform's arithmetic, and
-# every launch traces each case again.
+# One case of each transform family: conditional_accumulator, its sparse variant, agn
+# (the delta commit with an outer optimizer), cross_shard_optimizer (groups, sum) and
+# drop_stale_gradients, two of them (agn, drop_stale) in their shared form, the state
+# stacked over the replicas. tests/test_orbax.py restores every one of the 11 cases but
+# the two axis twins from a mid-window checkpoint in a fresh process, through the same
+# Orbax restore of the same state types; what this run adds, a SIGKILL while waiting
+# or mid step and a restart from the newest complete checkpoint, does not depend on
+# the transform's arithmetic, and every launch traces each case again. These 5 are
+# among the cases test_orbax restores, so its fresh process finds their compiled steps
+# in the XLA cache these launches share with it (`orbax_worker.compile_cache_dir`).
 CASE_NAMES = (
-    "conditional_accumulator_shared",
-    "sparse_conditional_accumulator_shared",
+    "conditional_accumulator",
+    "sparse_conditional_accumulator",
     "agn_delta_shared",
     "cross_shard_optimizer_groups_sum",
     "drop_stale_gradients_shared",

@@ -6,7 +6,10 @@ under `jax.shard_map`: train, save params and optimizer state with
 `orbax.checkpoint.StandardCheckpointer` part-way (where the state holds accumulated
 gradients, i.e. mid window or mid AGN round), restore in a new Python process
 (tests/orbax_worker.py), continue, and require every leaf of the final params and
-state to be bit-identical to the run that was never interrupted.
+state to be bit-identical to the run that was never interrupted. The fresh process
+reads the session's XLA compilation cache that tests/test_preemption.py's launches
+write (`orbax_worker.compile_cache_dir`): the steps of the cases both train come
+compiled, the rest it compiles itself.
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ def _split_step(scenario: orbax_worker.Scenario) -> tuple[int, list[tuple[Any, A
 def restored_runs(tmp_path_factory) -> dict:
     """Every scenario checkpointed, then continued by the worker in one fresh process,
     once per session: under pytest-xdist the workers share one result."""
-    return _session.once(tmp_path_factory, "orbax", _checkpoint_and_restore)
+    cache = orbax_worker.compile_cache_dir(tmp_path_factory)
+    return _session.once(
+        tmp_path_factory, "orbax", lambda root: _checkpoint_and_restore(root, cache)
+    )
 
 
-def _checkpoint_and_restore(root: pathlib.Path) -> dict:
+def _checkpoint_and_restore(root: pathlib.Path, cache: pathlib.Path) -> dict:
     expected = {}
     checkpointer = ocp.StandardCheckpointer()
     for name, scenario in SCENARIOS.items():
@@ -86,6 +92,10 @@ def _checkpoint_and_restore(root: pathlib.Path) -> dict:
         **os.environ,
         "JAX_NUM_CPU_DEVICES": str(jax.device_count()),
         "JAX_NUMPY_DTYPE_PROMOTION": jax.config.jax_numpy_dtype_promotion,
+        # Reads the compiled steps tests/test_preemption.py's launches left in the
+        # session's cache (the cases both train), writes nothing: nothing reads after.
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1000000",
     }
     proc = subprocess.run(
         [sys.executable, str(worker), str(root), str(result_file), str(TOTAL)],

@@ -1,9 +1,8 @@
 """Training survives SIGKILL: restarted from its Orbax checkpoint, it ends bit-identical.
 
 One real subprocess (tests/preemption_worker.py) trains one Case of tests/_cases.py
-per transform family (`preemption_worker.CASE_NAMES`, in the shared axis-name form
-where the family has one: the axis twins tests/test_orbax.py does not restore; it
-restores every case left out here in a fresh process, and every launch here re-traces
+per transform family (`preemption_worker.CASE_NAMES`; tests/test_orbax.py restores
+these and the cases left out here in a fresh process, and every launch here re-traces
 each case it trains), checkpointing params and optimizer state with Orbax after each
 step. The test kills it with SIGKILL at seeded random steps after a checkpoint, once
 while it waits and once while it is running the next step (possibly mid checkpoint
@@ -12,8 +11,10 @@ must be bit-identical to an uninterrupted run of the same steps (which the first
 process runs before training). Every wait on the subprocess is bounded, and it is
 killed in `finally`.
 
-The worker processes share a persistent XLA compilation cache in the test's temporary
-directory, so a restart does not recompile what the first process compiled.
+The worker processes share a persistent XLA compilation cache in the session's temporary
+directory (`orbax_worker.compile_cache_dir`), so a restart does not recompile what the
+first process compiled (a restart then costs less than half the CPU), and
+tests/test_orbax.py's fresh process reads the same cache for the cases both train.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import threading
 
 import _session
 import jax
+import orbax_worker
 import pytest
 from preemption_worker import CASE_NAMES
 
@@ -96,13 +98,14 @@ class _Worker:
         return self.log.read_text()[-4000:]
 
 
-def train_with_kills(root: pathlib.Path) -> dict:
-    """Runs the worker under `root` to the end, killing and restarting it per the plan."""
+def train_with_kills(root: pathlib.Path, cache: pathlib.Path) -> dict:
+    """Runs the worker under `root` to the end, killing and restarting it per the plan;
+    its launches share the XLA compilation cache `cache`."""
     env = {
         **os.environ,
         "JAX_NUM_CPU_DEVICES": str(jax.device_count()),
         "JAX_NUMPY_DTYPE_PROMOTION": jax.config.jax_numpy_dtype_promotion,
-        "JAX_COMPILATION_CACHE_DIR": str(root / "xla_cache"),
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
@@ -145,7 +148,8 @@ def train_with_kills(root: pathlib.Path) -> dict:
 @pytest.fixture(scope="module")
 def preempted_run(tmp_path_factory) -> dict:
     """The run, once per session: under pytest-xdist the workers share one result."""
-    return _session.once(tmp_path_factory, "preemption", train_with_kills)
+    cache = orbax_worker.compile_cache_dir(tmp_path_factory)
+    return _session.once(tmp_path_factory, "preemption", lambda root: train_with_kills(root, cache))
 
 
 def test_killed_at_every_planned_step_and_restarted_from_a_checkpoint(preempted_run):
