@@ -316,8 +316,13 @@ def report_rows(scale: Any) -> tuple[list, dict]:
     leaves, rounds = (3, 1) if scale.quick else (LEAVES, 1 if scale.accelerator else 2)
     # A quick run checks our transforms; the references hold no code of ours.
     names = [n for n in TRANSFORMS if not (scale.quick and n in REFERENCES)]
-    progress = lambda it: scale.progress(it, desc="compile_time")  # noqa: E731
-    report = run(leaves, rounds, names, progress, warmup=not scale.quick)
+    report = run(
+        leaves,
+        rounds,
+        names,
+        progress=lambda it: scale.progress(it, desc="compile_time"),
+        warmup=not scale.quick,
+    )
     rows = []
     for name, r in report["results"].items():
         if name == BASELINE:
