@@ -9,10 +9,10 @@ written by optax_accum 0.1.0 (commit c61c9ce) with
     JAX_NUMPY_DTYPE_PROMOTION=strict python tests/legacy_checkpoints.py \
         tests/data/checkpoints-0.1.0
 
-(under the suite's settings, which the root conftest.py sets: XLA:CPU's code unoptimised
-changes its rounding) and tests/test_legacy_checkpoints.py restores them with today's code and continues
-the run. The scenarios use the public API only, and are small (a few hundred bytes of
-state each).
+(under the suite's settings, which the root conftest.py sets: XLA:CPU's unoptimised code
+rounds differently), and tests/test_legacy_checkpoints.py restores them with today's code
+and continues the run. The scenarios use the public API only, and are small (a few
+hundred bytes of state each).
 """
 
 from __future__ import annotations
