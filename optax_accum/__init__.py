@@ -10,6 +10,7 @@ from typing import Any
 
 from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
 from optax_accum.agn import AGNState, agn
+from optax_accum.checkpoint import from_checkpoint, to_checkpoint
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify, sparse_sgd
@@ -90,6 +91,7 @@ __all__ = [
     "densify",
     "drop_stale_gradients",
     "embedding_value_and_grad",
+    "from_checkpoint",
     "global_step",
     "has_updated",
     "num_accumulated",
@@ -100,5 +102,6 @@ __all__ = [
     "staleness_percentage",
     "state_partition_specs",
     "state_shardings",
+    "to_checkpoint",
     "unreduced_grad",
 ]

@@ -246,6 +246,14 @@ def mesh_context(mesh: Any) -> contextlib.AbstractContextManager:
     raise RuntimeError(_missing("jax.set_mesh or jax.sharding.use_mesh"))
 
 
+def concrete_mesh() -> Any:
+    """The mesh set with `jax.set_mesh` (jax 0.7 on, `jax.sharding.get_mesh`), or None
+    when none is set or the running jax cannot say. Call it outside `jax.jit`."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    mesh = None if get_mesh is None else get_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
 def enable_x64(new_val: bool = True) -> contextlib.AbstractContextManager:
     """A context manager that turns 64-bit types on (or off) in this thread.
 
@@ -275,6 +283,7 @@ _ALL_GATHER_TAKES_TO = "to" in inspect.signature(lax.all_gather).parameters
 
 __all__ = [
     "all_gather_invariant",
+    "concrete_mesh",
     "enable_x64",
     "explicit_sharding",
     "leading_axis_sharding",

@@ -109,7 +109,7 @@ NOT_CORE = {
     "test_bad_inputs_unreduced.py",
 }
 # Their doctests need Flax, and jax 0.10's unreduced sharding types.
-NOT_CORE_MODULES = {"embedding.py", "flax_train_state.py", "unreduced.py"}
+NOT_CORE_MODULES = {"checkpoint.py", "embedding.py", "flax_train_state.py", "unreduced.py"}
 
 
 def _pins() -> dict[str, str]:
