@@ -53,7 +53,9 @@ def to_checkpoint(tree: Any) -> Any:
     abstract mesh (what `jax.eval_shape` gives) takes the mesh set with `jax.set_mesh`.
 
     Works on any pytree (a state, params, a dict of both, a Flax `TrainState`); it
-    reads each leaf's type, never a field's name.
+    reads each leaf's type, never a field's name. A leaf saved in place shares its
+    buffers with the param: hand the result to the checkpointer before a step that
+    donates the params (Orbax's `save` has copied it to the host when it returns).
 
     Args:
       tree: a pytree of arrays (or of `jax.ShapeDtypeStruct` values).
