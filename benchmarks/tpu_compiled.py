@@ -1,0 +1,299 @@
+"""What a TPU pod runs: train steps compiled for TPU topologies, on this machine.
+
+No TPU is needed: `optax_accum.demo.tpu` describes a TPU slice (or two) with
+`jax.experimental.topologies`, and the TPU compiler itself compiles each step for a
+mesh of its devices from `jax.ShapeDtypeStruct`s (nothing is allocated, nothing
+runs). For each topology, each transform and each way users write the step
+(canonical, `apply_gradients`, Flax linen `TrainState`, NNX), beside `optax.MultiSteps`
+in the same step, it reads from the compiled program:
+
+- temporaries (`memory_analysis()`);
+- the HBM bytes that the ops on every step read and write, over the floor `acc + g`
+  (3 params-sized trees: read the sum and the gradient, write the sum);
+- the collectives of a held step and of a release, and on two slices the transfers
+  between them (send/recv handed to `xla_megascale_runtime`).
+
+Layouts (8 float32 leaves, Adam inside, 8 gradients per window):
+
+- `data`: a data-parallel mesh of one slice's 4 chips, params typed reduced over it
+  (`optax_accum.as_reduced`), the step given unreduced gradients (what `jax.grad` gives
+  for such params, before any all-reduce); MultiSteps gets plain params and the
+  gradients `jax.grad` all-reduces on every step. `replicated` is the same mesh with
+  plain params and gradients given: the optimizer step alone.
+- `two_slices`: two slices, a `(slice, data)` mesh whose rows are the slices, a
+  two-layer model's params FSDP-sharded over `data` and typed reduced over `slice`,
+  the whole train step (`optax_accum.unreduced_grad` over `slice`): the sum across
+  slices is deferred to the release. MultiSteps: plain params, `jax.grad`.
+- `agn`: local SGD under `jax.shard_map`, each of the 4 chips its own params.
+
+`tests/test_tpu_compiled.py` checks these same programs against the issue's
+figures; this module is where they are built. Run from the repository root:
+`python -m benchmarks --only tpu_compiled --out DIR` (the one-command report), or
+`python -m benchmarks.tpu_compiled` for the tables alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum.demo import tpu
+
+LEAVES = 8
+EVERY = 8  # gradients per window
+SIZES = {"64K": (128, 64), "1M": (256, 512), "268M": (4096, 8192)}  # one leaf; 8 leaves
+FORMS = ("canonical", "apply_gradients", "TrainState", "NNX")
+TRANSFORMS = ("conditional_accumulator", "sparse_conditional_accumulator", "drop_stale", "nest")
+# The two-layer model of `two_slices`: x @ w + b -> tanh -> @ v.
+MODEL = {"w": (256, 512), "b": (512,), "v": (512, 128)}
+BATCH = 64
+
+
+def _lenient(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner` traced under standard dtype promotion: optax's Adam computes
+    `decay ** count` (float ** int32), which strict promotion (the tests') rejects."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> Any:
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _adam() -> optax.GradientTransformationExtraArgs:
+    return _lenient(optax.adam(1e-3))
+
+
+def transform(name: str) -> optax.GradientTransformation:
+    """The transform `name`, releasing Adam once every `EVERY` gradients (agn: syncing
+    once every `EVERY` steps over the axis "data")."""
+    if name == "conditional_accumulator":
+        return optax_accum.conditional_accumulator(_adam(), EVERY)
+    if name == "sparse_conditional_accumulator":  # dense leaves (the layouts' params)
+        return optax_accum.sparse_conditional_accumulator(
+            _adam(), EVERY, capacity=8, sparse=lambda p: jax.tree.map(lambda _: False, p)
+        )
+    if name == "drop_stale":
+        return optax_accum.drop_stale_gradients(
+            optax_accum.conditional_accumulator(_adam(), EVERY), 1
+        )
+    if name == "nest":
+        inner = optax_accum.conditional_accumulator(_adam(), 2)
+        return optax_accum.conditional_accumulator(inner, EVERY // 2)
+    if name == "agn":
+        return optax_accum.agn(_adam(), EVERY, axis_name="data")
+    if name == "MultiSteps":
+        return optax.MultiSteps(_adam(), EVERY)
+    raise ValueError(f"unknown transform {name!r}")
+
+
+# --------------------------------------------------------------------------- step forms
+
+
+def _canonical(tx: Any, params: Any, state: Any, grads: Any, apply: Callable) -> tuple:
+    updates, state = tx.update(grads, state, params)
+    return apply(params, updates), state
+
+
+def _apply_gradients(tx: Any, params: Any, state: Any, grads: Any, apply: Callable) -> tuple:
+    if isinstance(tx, optax.MultiSteps):  # MultiSteps' own step is the canonical one
+        return _canonical(tx, params, state, grads, apply)
+    return optax_accum.apply_gradients(tx, grads, state, params)
+
+
+def _train_state(tx: Any, params: Any, state: Any, grads: Any, apply: Callable) -> tuple:
+    """Flax linen: `optax_accum.TrainState` (Flax's own for MultiSteps), rebuilt around
+    the step's arrays."""
+    from flax.training import train_state
+
+    cls = train_state.TrainState if isinstance(tx, optax.MultiSteps) else optax_accum.TrainState
+    ts = cls(step=jnp.zeros((), jnp.int32), apply_fn=None, params=params, tx=tx, opt_state=state)
+    ts = ts.apply_gradients(grads=grads)
+    return ts.params, ts.opt_state
+
+
+def _nnx(tx: Any, params: Any, state: Any, grads: Any, apply: Callable) -> tuple:
+    """NNX: `optax_accum.NNXOptimizer` (`nnx.Optimizer` for MultiSteps) on a model
+    holding the params, its state replaced by the step's input, as `nnx.merge` of a
+    split optimizer gives."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, tree: dict) -> None:
+            for name, value in tree.items():
+                setattr(self, name, nnx.Param(value))
+
+    model = Model(params)
+    cls = nnx.Optimizer if isinstance(tx, optax.MultiSteps) else optax_accum.NNXOptimizer
+    optimizer = cls(model, tx, wrt=nnx.Param)
+    nnx.update(optimizer.opt_state, nnx.state(state))
+    optimizer.update(model, Model(grads))
+    new_state = jax.tree.leaves(nnx.as_pure(optimizer.opt_state))
+    new_params = {name: getattr(model, name)[...] for name in params}
+    return new_params, jax.tree.structure(state).unflatten(new_state)
+
+
+STEPS = {
+    "canonical": _canonical,
+    "apply_gradients": _apply_gradients,
+    "TrainState": _train_state,
+    "NNX": _nnx,
+}
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _struct(shape: tuple, mesh: Any, spec: P, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def leaves(size: str, mesh: Any, spec: P) -> dict:
+    """`LEAVES` float32 leaves of the size's shape, each laid out as `spec`."""
+    return {f"layer{i}": _struct(SIZES[size], mesh, spec) for i in range(LEAVES)}
+
+
+def _promotion(name: str) -> Any:
+    # MultiSteps mixes int32 and float32 in its own code.
+    return (
+        jax.numpy_dtype_promotion("standard") if name == "MultiSteps" else contextlib.nullcontext()
+    )
+
+
+def _compile(fn: Callable, mesh: Any, args: tuple, donate: tuple, name: str) -> tpu.Program:
+    with jax.set_mesh(mesh), _promotion(name):
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    return tpu.read(compiled)
+
+
+@functools.cache
+def optimizer_step(name: str, form: str, topology: str, size: str, reduced: bool) -> tpu.Program:
+    """The step of `form` for transform `name`, gradients given, on one slice of
+    `topology` (4 chips, a data-parallel mesh). With `reduced`, params typed reduced
+    over the data axis and gradients unreduced (the `data` layout; MultiSteps gets
+    plain params and all-reduces the gradients itself, as `jax.grad` does for plain
+    params); otherwise both plain and replicated (`replicated`)."""
+    mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("data",))
+    tx = transform(name)
+    ours = name != "MultiSteps"
+    params = leaves(size, mesh, P(None, None, reduced={"data"}) if reduced and ours else P())
+    grads = leaves(size, mesh, P(None, None, unreduced={"data"}) if reduced else P())
+    with jax.set_mesh(mesh), _promotion(name):
+        state = jax.eval_shape(tx.init, params)
+
+    def step(params: Any, state: Any, grads: Any) -> tuple:
+        if reduced and not ours:  # the all-reduce `jax.grad` runs for plain params
+            grads = jax.tree.map(lambda g: jax.reshard(g, P()), grads)
+        return STEPS[form](tx, params, state, grads, optax.apply_updates)
+
+    return _compile(step, mesh, (params, state, grads), (0, 1), name)
+
+
+def floor(topology: str, size: str) -> tpu.Program:
+    """`acc + g` into the donated sum: the least a step that accumulates can do."""
+    mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("data",))
+    trees = (leaves(size, mesh, P()), leaves(size, mesh, P()))
+    return _compile(lambda acc, g: jax.tree.map(jnp.add, acc, g), mesh, trees, (0,), "floor")
+
+
+def tree_bytes(size: str) -> int:
+    """Bytes of one params-sized tree."""
+    rows, cols = SIZES[size]
+    return LEAVES * rows * cols * 4
+
+
+def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    return jnp.mean((h @ params["v"] - y) ** 2)
+
+
+def model_bytes() -> int:
+    return sum(4 * int(jnp.prod(jnp.array(s))) for s in MODEL.values())
+
+
+@functools.cache
+def two_slices(name: str, form: str, topology: str = "v5e") -> tpu.Program:
+    """The whole train step of `form` on two slices of `topology`: the model's matrices
+    FSDP-sharded over `data`, the batch over both axes. Ours: params typed reduced over
+    `slice`, gradients from `optax_accum.unreduced_grad` (summed within a slice only);
+    MultiSteps: plain params and `jax.grad`."""
+    mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("slice", "data"), num_slices=2)
+    ours = name != "MultiSteps"
+    red = {"slice"} if ours else set()
+    params = {
+        k: _struct(
+            shape, mesh, P("data", None, reduced=red) if len(shape) == 2 else P(None, reduced=red)
+        )
+        for k, shape in MODEL.items()
+    }
+    x = _struct((BATCH, MODEL["w"][0]), mesh, P(("slice", "data")))
+    y = _struct((BATCH, MODEL["v"][1]), mesh, P(("slice", "data")))
+    tx = transform(name)
+    grad_fn = optax_accum.unreduced_grad(_loss, "slice") if ours else jax.grad(_loss)
+    with jax.set_mesh(mesh), _promotion(name):
+        state = jax.eval_shape(tx.init, params)
+
+    def step(params: dict, state: Any, x: jax.Array, y: jax.Array) -> tuple:
+        return STEPS[form](tx, params, state, grad_fn(params, x, y), optax.apply_updates)
+
+    return _compile(step, mesh, (params, state, x, y), (0, 1), name)
+
+
+@functools.cache
+def agn_step(form: str, topology: str = "v5e", num_slices: int = 1) -> tpu.Program:
+    """`agn` under `jax.shard_map`: each chip steps its own params with its own
+    gradients (given), and every `EVERY` steps the chips average (axis "data", every
+    chip of every slice)."""
+    mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("data",), explicit=False, num_slices=num_slices)
+    n = mesh.devices.size
+    tx = transform("agn")
+    stacked = {
+        k: jax.ShapeDtypeStruct((n, *SIZES["1M"]), jnp.float32) for k in ("layer0", "layer1")
+    }
+    state = jax.eval_shape(jax.vmap(tx.init), stacked)
+
+    def body(params: dict, state: Any, grads: dict) -> tuple:
+        one = functools.partial(jax.tree.map, lambda x: x[0])
+        params, state = STEPS[form](tx, one(params), one(state), one(grads), optax.apply_updates)
+        return jax.tree.map(lambda x: x[None], (params, state))
+
+    spec = P("data")
+    specs = (jax.tree.map(lambda _: spec, stacked), jax.tree.map(lambda _: spec, state), spec)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs[:2])
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, spec), (stacked, state, stacked))
+    args = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        (stacked, state, stacked),
+        shardings,
+    )
+    return _compile(mapped, mesh, args, (0, 1), "agn")
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def main() -> int:
+    reason = tpu.unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
