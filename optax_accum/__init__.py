@@ -34,7 +34,12 @@ from optax_accum.state import (
     set_global_step,
 )
 from optax_accum.train_step import apply_gradients
-from optax_accum.unreduced import as_reduced, unreduced_grad
+from optax_accum.unreduced import (
+    as_reduced,
+    keep_reduction_axes,
+    unreduced_grad,
+    unreduced_value_and_grad,
+)
 
 __version__ = "0.1.0"
 
@@ -94,6 +99,7 @@ __all__ = [
     "from_checkpoint",
     "global_step",
     "has_updated",
+    "keep_reduction_axes",
     "num_accumulated",
     "replica_group_mesh",
     "set_global_step",
@@ -104,4 +110,5 @@ __all__ = [
     "state_shardings",
     "to_checkpoint",
     "unreduced_grad",
+    "unreduced_value_and_grad",
 ]

@@ -234,11 +234,14 @@ def leading_axis_sharding(x: Any) -> Any:
 
 def mesh_context(mesh: Any) -> contextlib.AbstractContextManager:
     """A context manager that makes `mesh` the current mesh (`jax.set_mesh` from jax
-    0.7, `jax.sharding.use_mesh` before).
+    0.7, `jax.sharding.use_mesh` before); an `AbstractMesh` (no devices: for tracing
+    only) with `jax.sharding.use_abstract_mesh`.
 
     Raises:
       RuntimeError: when the running jax has neither.
     """
+    if not isinstance(mesh, jax.sharding.Mesh) and hasattr(jax.sharding, "use_abstract_mesh"):
+        return jax.sharding.use_abstract_mesh(mesh)  # an AbstractMesh: tracing only
     if hasattr(jax, "set_mesh"):
         return jax.set_mesh(mesh)
     if hasattr(jax.sharding, "use_mesh"):
@@ -252,6 +255,34 @@ def concrete_mesh() -> Any:
     get_mesh = getattr(jax.sharding, "get_mesh", None)
     mesh = None if get_mesh is None else get_mesh()
     return None if mesh is None or mesh.empty else mesh
+
+
+def with_explicit_axes(mesh: Any) -> Any:
+    """`mesh` (a `Mesh`, or the `AbstractMesh` of a `jax.eval_shape` result) with every
+    axis `Explicit`, so that a value traced on it carries its sharding in its type.
+
+    Raises:
+      RuntimeError: when the running jax cannot change an abstract mesh's axis types.
+    """
+    explicit = jax.sharding.AxisType.Explicit
+    if isinstance(mesh, jax.sharding.Mesh):
+        return jax.sharding.Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(explicit,) * len(mesh.axis_names)
+        )
+    if not hasattr(mesh, "update_axis_types"):
+        raise RuntimeError(_missing("jax.sharding.AbstractMesh.update_axis_types"))
+    return mesh.update_axis_types(dict.fromkeys(mesh.axis_names, explicit))
+
+
+def placing_mesh(mesh: Any) -> Any:
+    """The mesh to build shardings on for values typed on `mesh`: `mesh` itself when it
+    is a `Mesh`; for an `AbstractMesh` (from `jax.eval_shape`), the mesh set with
+    `jax.set_mesh` when it is that mesh, else the abstract mesh (which `jax.jit`'s
+    `out_shardings` take while a matching mesh is set). Call it outside `jax.jit`."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    current = concrete_mesh()
+    return current if current is not None and current.abstract_mesh == mesh else mesh
 
 
 def enable_x64(new_val: bool = True) -> contextlib.AbstractContextManager:
@@ -290,6 +321,7 @@ __all__ = [
     "make_varying",
     "mesh_context",
     "pcast_varying",
+    "placing_mesh",
     "replicated_under_auto",
     "has_sum_types",
     "require_sum_types",
@@ -297,4 +329,5 @@ __all__ = [
     "sharding_of",
     "sum_types",
     "varying_axes",
+    "with_explicit_axes",
 ]

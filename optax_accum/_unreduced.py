@@ -124,12 +124,21 @@ def check_sum_types(gradients: Any, sums: Any, *, what: str = "updates") -> None
     ):
         got, want = unreduced_axes(g), unreduced_axes(s)
         if got != want:
+            stripped = (
+                ""
+                if want
+                else ". If the state was placed with partition specs (jax.jit's "
+                "out_shardings or in_shardings, say from partition rules), they dropped the "
+                "sum's type: take them from optax_accum.state_shardings(tx, params), or pass "
+                "the rules' specs through optax_accum.keep_reduction_axes(specs, "
+                "jax.eval_shape(init))"
+            )
             raise TypeError(
                 f"{what}{jax.tree_util.keystr(path)} must be typed unreduced over "
                 f"{sorted(want)}, as the running sum that tx.init made from its param is, "
                 f"got {jax.typeof(g)}. Make the state from the params you differentiate: a "
                 "param typed reduced over mesh axes (jax.reshard(p, P(..., reduced=axes))) "
-                "gets a sum unreduced over them, a plain param a plain sum"
+                f"gets a sum unreduced over them, a plain param a plain sum{stripped}"
             )
 
 

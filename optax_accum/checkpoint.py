@@ -50,7 +50,8 @@ def to_checkpoint(tree: Any) -> Any:
     Given abstract values (`jax.ShapeDtypeStruct`, e.g. `jax.eval_shape(tx.init,
     params)`), it returns the abstract values of what it would save, with concrete
     shardings: the target to pass to Orbax's `StandardRestore`. A sharding on an
-    abstract mesh (what `jax.eval_shape` gives) takes the mesh set with `jax.set_mesh`.
+    abstract mesh (what `jax.eval_shape` gives) takes the mesh set with `jax.set_mesh`
+    (a plain leaf whose abstract mesh no set mesh matches is left as it is).
 
     Works on any pytree (a state, params, a dict of both, a Flax `TrainState`); it
     reads each leaf's type, never a field's name. A leaf saved in place shares its
@@ -65,8 +66,8 @@ def to_checkpoint(tree: Any) -> Any:
       (an FSDP shard stays a shard).
 
     Raises:
-      ValueError: for an abstract leaf whose sharding lies on an abstract mesh when
-        no mesh with the same axes is set with `jax.set_mesh`.
+      ValueError: for an abstract leaf typed reduced or unreduced whose sharding lies
+        on an abstract mesh when no mesh with the same axes is set with `jax.set_mesh`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -135,8 +136,10 @@ def from_checkpoint(saved: Any, like: Any) -> Any:
 
     Raises:
       ValueError: when `saved`'s structure, or a leaf's shape or dtype, differs from
-        `like`'s (a checkpoint of another transform or other params), or a sharding
-        lies on an abstract mesh and no mesh with its axes is set.
+        `like`'s (a checkpoint of another transform or other params), a saved leaf
+        is typed reduced or unreduced otherwise than `like`'s, or a leaf of `like`
+        typed reduced or unreduced lies on an abstract mesh and no mesh with its axes
+        is set.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -244,26 +247,29 @@ def _plain_struct(name: str, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     sharding = _sharding_of(name, x)
     if isinstance(sharding, NamedSharding):
         sharding = _plain_sharding(sharding)
-    if sharding is x.sharding:
+    if sharding is None or sharding == x.sharding:
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
 
 
 def _sharding_of(name: str, x: Any) -> Any:
-    """`x`'s sharding, on the mesh set with `jax.set_mesh` when it names an abstract one."""
+    """`x`'s sharding, on the mesh set with `jax.set_mesh` when it names an abstract one
+    (None for a plain leaf whose abstract mesh no set mesh matches: left as it is)."""
     sharding = getattr(x, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(mesh, jax.sharding.AbstractMesh):
         return sharding
     concrete = _compat.concrete_mesh()
-    if concrete is None or concrete.abstract_mesh != mesh:
-        raise ValueError(
-            f"{name} must have a sharding on a concrete mesh, or on the abstract mesh of "
-            f"the mesh set with jax.set_mesh, got one on {mesh} with "
-            f"{'no mesh set' if concrete is None else f'{concrete} set'}: call this under "
-            "jax.set_mesh(mesh), with the mesh the state lives on"
-        )
-    return NamedSharding(concrete, sharding.spec)
+    if concrete is not None and concrete.abstract_mesh == mesh:
+        return NamedSharding(concrete, sharding.spec)
+    if not any(_compat.sum_types(x)):
+        return None
+    raise ValueError(
+        f"{name} must have a sharding on a concrete mesh, or on the abstract mesh of the "
+        f"mesh set with jax.set_mesh, got {jax.typeof(x)} on {mesh} with "
+        f"{'no mesh set' if concrete is None else f'{concrete} set'}: call this under "
+        "jax.set_mesh(mesh), with the mesh the state lives on"
+    )
 
 
 def _check_leaf(path: str, saved: Any, like: Any) -> None:

@@ -121,13 +121,21 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
     under an explicit-sharding copy of the params' mesh, where each array's type
     carries its sharding.
 
+    The params may be what `jax.eval_shape` gives under `jax.set_mesh` on an explicit
+    mesh (each `jax.ShapeDtypeStruct`'s sharding then lies on an abstract mesh, with no
+    devices): the shardings come back on the mesh set with `jax.set_mesh` when it is
+    that mesh, else on the abstract mesh, which `jax.jit`'s `out_shardings` take under
+    `jax.set_mesh`. Params typed reduced (`as_reduced`, on arrays or abstract values)
+    give the running sums' shardings typed unreduced.
+
     Args:
       tx: the transformation whose state is wanted.
       params: the params (arrays or `jax.ShapeDtypeStruct` values), each with a
-        `NamedSharding` on one mesh.
+        `NamedSharding` on one mesh (or on one abstract mesh).
 
     Returns:
-      A tree of `NamedSharding` objects on the params' mesh, shaped like the state.
+      A tree of `NamedSharding` objects on the params' mesh (see above for an abstract
+      one), shaped like the state.
 
     Raises:
       TypeError: when `tx` is not an optax transformation.
@@ -161,11 +169,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
     if len(meshes) != 1:
         raise ValueError(f"params must lie on one mesh, got {len(meshes)} meshes")
     (mesh,) = meshes
-    explicit = Mesh(
-        mesh.devices,
-        mesh.axis_names,
-        axis_types=(jax.sharding.AxisType.Explicit,) * len(mesh.axis_names),
-    )
+    explicit = _compat.with_explicit_axes(mesh)
     typed = treedef.unflatten(
         [
             jax.ShapeDtypeStruct(
@@ -177,10 +181,12 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
     with _compat.mesh_context(explicit):
         state = jax.eval_shape(tx.init, typed)
 
+    placed = _compat.placing_mesh(mesh)
+
     def on_params_mesh(leaf: Any) -> jax.sharding.NamedSharding:
         sharding = _compat.explicit_sharding(leaf)
         spec = P() if sharding is None else sharding.spec
-        return jax.sharding.NamedSharding(mesh, spec)
+        return jax.sharding.NamedSharding(placed, spec)
 
     return jax.tree.map(on_params_mesh, state)
 

@@ -17,12 +17,11 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
-from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _checks, _compat, _unreduced
+from optax_accum import _checks, _compat, _per_shard
 
 
 def as_reduced(params: optax.Params, axes: Hashable | Sequence[Hashable]) -> optax.Params:
@@ -37,12 +36,19 @@ def as_reduced(params: optax.Params, axes: Hashable | Sequence[Hashable]) -> opt
     params, so `optax.apply_updates` keeps their type. Each param keeps its layout
     (an FSDP shard stays a shard).
 
+    Abstract params work too, as pod code starts from them: `jax.ShapeDtypeStruct`
+    leaves with a `NamedSharding` (on a mesh or on the abstract mesh `jax.eval_shape`
+    gives under `jax.set_mesh`) come back as `jax.ShapeDtypeStruct` leaves typed reduced,
+    ready for `jax.eval_shape(tx.init, ...)` or `state_shardings`. `as_reduced` may
+    also run inside the init that `jax.eval_shape` or `jax.jit` traces.
+
     Needs explicit sharding (`jax.make_mesh`'s default from jax 0.10, under
     `jax.set_mesh`, or params placed with a `NamedSharding` on such a mesh) and a jax
     whose `PartitionSpec` has `reduced` axes (0.10 or newer).
 
     Args:
-      params: the params (a pytree of arrays), on a mesh with explicit axes.
+      params: the params (a pytree of arrays or `jax.ShapeDtypeStruct` values), on a
+        mesh with explicit axes.
       axes: a mesh axis name, or a sequence of them: the axes the batch is split over
         whose gradient sum is to be deferred (for two-level meshes, the outer one).
 
@@ -61,12 +67,15 @@ def as_reduced(params: optax.Params, axes: Hashable | Sequence[Hashable]) -> opt
       >>> jax.typeof(params["w"])
       ShapedArray(float32[4,2]{R:data})
     """
-    names = _axis_names("axes", axes)
+    names = _per_shard.axis_names("axes", axes)
     _compat.require_sum_types()
 
     def cast(path: Any, x: Any) -> Any:
-        _check_param_axes(path, x, names)
+        _per_shard.check_param_axes(path, x, names)
         reduced, unreduced = _compat.sum_types(x)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            spec = P(*x.sharding.spec.partitions, reduced=reduced | names, unreduced=unreduced)
+            return x.update(sharding=NamedSharding(x.sharding.mesh, spec))
         return _compat.retyped(x, reduced=reduced | names, unreduced=unreduced)
 
     return jax.tree_util.tree_map_with_path(cast, params)
@@ -77,10 +86,11 @@ def unreduced_grad(
     axes: Hashable | Sequence[Hashable],
     *,
     argnums: int = 0,
+    has_aux: bool = False,
     reduction: str = "mean",
 ) -> Callable[..., Any]:
-    """`jax.grad(fun, argnums)` with the gradients typed unreduced over `axes`, and no
-    all-reduce.
+    """`jax.grad(fun, argnums, has_aux)` with the gradients typed unreduced over `axes`,
+    and no all-reduce.
 
     Returns a function of `fun`'s arguments. It runs `fun` on each device's shard of
     the batch under `jax.shard_map` over the whole current mesh, so any model works
@@ -103,28 +113,40 @@ def unreduced_grad(
     state from params typed reduced over `axes`, so that its running sums are
     unreduced over them too, and pass those same params here. Each param is
     all-gathered over the axes it is sharded over before `fun` sees it, so `fun`
-    always sees whole params. Every other argument is passed to `fun` as each device's
-    block of it (its layout read from its type); arguments not sharded over a mesh
-    axis are the same on every device along it.
+    always sees whole params. Every other array argument is passed to `fun` as each
+    device's block of it (its layout read from its type); arrays not sharded over a
+    mesh axis are the same on every device along it. Arguments that are not arrays
+    (a `train` flag, a mode name, a layer count: Python bools, strings, ints, None)
+    reach `fun` as they are, as with `jax.grad`, also under `jax.jit`. Keyword
+    arguments are passed on the same way. `fun` must take every array it reads as an
+    argument: an array it closes over cannot be split per device (a clear error says
+    so).
+
+    With `has_aux=True`, `fun` returns `(loss, aux)` and the result is `(grads, aux)`,
+    `aux` computed in the same forward pass and typed as `unreduced_value_and_grad`
+    types it (each device's share; nothing moves until it is read).
 
     Needs explicit sharding (`jax.make_mesh`'s default from jax 0.10) with the mesh
     set (`jax.set_mesh`), and jax 0.10 or newer.
 
     Args:
-      fun: the loss, `fun(*args) -> scalar`, written for one device's batch.
+      fun: the loss, `fun(*args, **kwargs) -> scalar` (or `(scalar, aux)` with
+        `has_aux`), written for one device's batch.
       axes: a mesh axis name, or a sequence of them, the batch is split over: the
         gradient stays unreduced over these.
       argnums: which positional argument holds the params (an int).
+      has_aux: whether `fun` returns `(loss, aux)`.
       reduction: "mean" (default) or "sum": how the per-shard losses make the loss.
 
     Returns:
-      A function taking `fun`'s positional arguments and returning the gradients, with
-      the structure of `args[argnums]`, each typed unreduced over `axes`.
+      A function taking `fun`'s arguments and returning the gradients (with the
+      structure of `args[argnums]`, each typed unreduced over `axes`), or
+      `(grads, aux)` with `has_aux`.
 
     Raises:
       TypeError / ValueError: for a bad argument, naming it; when called, for a mesh
-        without explicit axes, `axes` the batch is not split over, or a param sharded
-        over one of `axes`.
+        without explicit axes, `axes` the batch is not split over, a param sharded
+        over one of `axes`, or a `fun` that closes over a sharded array.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -142,168 +164,169 @@ def unreduced_grad(
       >>> jax.typeof(grads["w"]), jax.typeof(state.accumulator["w"])
       (ShapedArray(float32[3,2]{U:data}), ShapedArray(float32[3,2]{U:data}))
     """
+    return _per_shard.value_and_grad(
+        **_checked(fun, axes, argnums, has_aux, reduction), with_value=False
+    )
+
+
+def unreduced_value_and_grad(
+    fun: Callable[..., Any],
+    axes: Hashable | Sequence[Hashable],
+    *,
+    argnums: int = 0,
+    has_aux: bool = False,
+    reduction: str = "mean",
+) -> Callable[..., Any]:
+    """`jax.value_and_grad(fun, argnums, has_aux)` with the gradients typed unreduced
+    over `axes`: the loss (and aux metrics) from the same forward pass, and no
+    all-reduce on any step.
+
+    The gradients are those of `unreduced_grad` (see there for the arguments, the
+    layouts and the Python values `fun` may take). The loss comes back as what each
+    device holds of it: `fun` saw only its device's shard of the batch, so the loss is
+    typed unreduced over every mesh axis the batch is split over, each device's share
+    scaled so that the shares add up to the loss the gradient is of (the mean of the
+    per-shard losses with `reduction="mean"`, their sum with "sum"). Returning it costs
+    nothing; reading it costs one scalar all-reduce, only where it is read: log every
+    N steps with `jax.reshard(loss, P())` (under `jax.set_mesh`, or inside the jitted
+    step that logs), or keep it unreduced (`jax.device_get` cannot read an unreduced
+    array on jax 0.10.2). A step that returns it with `out_shardings=P()` all-reduces
+    it on every step, which is what this form saves.
+
+    With `has_aux=True`, `fun` returns `(loss, aux)`, and each aux value comes back
+    typed the same way: a float one scaled as the loss is (accuracy: the shares add up
+    to the mean over the shards), an integer one as it is (counts add up). Compute
+    aux as a number or a small array per device (a mean, a count); per-example outputs
+    do not combine this way.
+
+    Args:
+      fun: the loss, `fun(*args, **kwargs) -> scalar` (or `(scalar, aux)` with
+        `has_aux`), written for one device's batch.
+      axes: a mesh axis name, or a sequence of them, the batch is split over: the
+        gradient stays unreduced over these.
+      argnums: which positional argument holds the params (an int).
+      has_aux: whether `fun` returns `(loss, aux)`.
+      reduction: "mean" (default) or "sum": how the per-shard losses make the loss.
+
+    Returns:
+      A function taking `fun`'s arguments and returning `(loss, grads)`, or
+      `((loss, aux), grads)` with `has_aux`, as `jax.value_and_grad` does; the loss and
+      aux typed unreduced over the batch's mesh axes, the gradients over `axes`.
+
+    Raises:
+      TypeError / ValueError: as `unreduced_grad`; when called, for an aux value that
+        is neither a float nor an integer.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax_accum
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+      >>> def loss(p, x, train):  # a Python flag, as jax.grad takes it
+      ...     err = x @ p["w"] - 1.0
+      ...     hits = jnp.mean((err < 3).astype(jnp.float32))
+      ...     return jnp.mean(err**2) * (2.0 if train else 1.0), {"hits": hits}
+      >>> with jax.set_mesh(mesh):
+      ...     params = optax_accum.as_reduced({"w": jnp.ones((3, 2))}, "data")
+      ...     x = jax.reshard(jnp.ones((16, 3)), P("data"))
+      ...     fn = optax_accum.unreduced_value_and_grad(loss, "data", has_aux=True)
+      ...     (value, aux), grads = jax.jit(fn, static_argnums=2)(params, x, True)
+      ...     logged = jax.reshard((value, aux["hits"]), P())  # when logged: scalar all-reduces
+      >>> jax.typeof(value), [float(v) for v in logged]
+      (ShapedArray(float32[]{U:data}), [8.0, 1.0])
+    """
+    return _per_shard.value_and_grad(
+        **_checked(fun, axes, argnums, has_aux, reduction), with_value=True
+    )
+
+
+def keep_reduction_axes(specs: Any, like: Any) -> Any:
+    """`specs` given the reduced and unreduced mesh axes of `like`'s types.
+
+    Pod code shards by rules (EasyLM's and t5x's `match_partition_rules`: a regex per
+    leaf path, and the `PartitionSpec` of the first that matches). A rule writes a
+    layout, `P("fsdp", None)`, and knows nothing of the types of the one-reduction
+    path: params typed reduced (`P("fsdp", None, reduced={"dp"})`) and the running sums
+    built from them, typed unreduced (`P("fsdp", None, unreduced={"dp"})`). Given to
+    `jax.jit` as `out_shardings`, a spec without them changes the type: an init gives
+    plain params and sums (the step then raises a TypeError naming the leaf), and a
+    step all-reduces each running sum on every step, silently. Apply the rules, then
+    this, to the tree `jax.eval_shape` gives for the train state, and the specs keep
+    the types while the rules keep choosing the layouts.
+
+    Args:
+      specs: a tree of `PartitionSpec` (or `NamedSharding`) leaves, one per leaf of
+        `like` (what partition rules give for `like`).
+      like: the tree the specs are for: arrays, or `jax.ShapeDtypeStruct` values with
+        shardings (`jax.eval_shape` of the init, under `jax.set_mesh`, gives them
+        typed). A leaf with no explicit sharding keeps its spec as it is.
+
+    Returns:
+      `specs`, each `PartitionSpec` (or `NamedSharding`'s spec) with its leaf's reduced
+      and unreduced axes added; its layout (partitions) is the rule's.
+
+    Raises:
+      ValueError: when `specs` and `like` differ in structure, or a spec shards a leaf
+        over a mesh axis that the leaf is typed reduced or unreduced over.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, optax_accum
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "fsdp"))  # explicit axes
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 4)
+      >>> def init():
+      ...     params = {"w": jax.reshard(jnp.zeros((8, 2)), P("fsdp", None))}
+      ...     params = optax_accum.as_reduced(params, "dp")
+      ...     return params, tx.init(params)
+      >>> with jax.set_mesh(mesh):
+      ...     shapes = jax.eval_shape(init)
+      >>> ruled = jax.tree.map(lambda s: P("fsdp", None) if s.ndim else P(), shapes)
+      >>> specs = optax_accum.keep_reduction_axes(ruled, shapes)
+      >>> specs[0]["w"], specs[1].accumulator["w"], specs[1].count
+      (P('fsdp', None, reduced={'dp'}), P('fsdp', None, unreduced={'dp'}), P())
+    """
+    is_spec = lambda x: isinstance(x, P | NamedSharding) or x is None  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    try:
+        leaves = treedef.flatten_up_to(like)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"specs must have one spec per leaf of like (the tree they are for): {e}"
+        ) from e
+    kept = [_kept_axes(path, spec, x) for (path, spec), x in zip(flat, leaves, strict=True)]
+    return treedef.unflatten(kept)
+
+
+def _kept_axes(path: Any, spec: Any, x: Any) -> Any:
+    """`spec` (a PartitionSpec, a NamedSharding or None) with `x`'s reduced and
+    unreduced axes."""
+    if spec is None or not hasattr(x, "shape"):
+        return spec
+    reduced, unreduced = _compat.sum_types(x)
+    if not reduced and not unreduced:
+        return spec
+    layout = spec.spec if isinstance(spec, NamedSharding) else spec
+    sharded = _per_shard.spec_names(layout) & (reduced | unreduced)
+    if sharded:
+        raise ValueError(
+            f"specs{jax.tree_util.keystr(path)} must not shard over {sorted(sharded)}, which "
+            f"the leaf is typed reduced or unreduced over (a full copy, or a partial sum, "
+            f"on every device along them), got {layout}"
+        )
+    typed = P(*getattr(layout, "partitions", layout), reduced=reduced, unreduced=unreduced)
+    return spec.update(spec=typed) if isinstance(spec, NamedSharding) else typed
+
+
+def _checked(fun: Any, axes: Any, argnums: Any, has_aux: Any, reduction: Any) -> dict:
+    """The arguments of `unreduced_grad` and `unreduced_value_and_grad`, checked, as
+    the keyword arguments of `_per_shard.value_and_grad`."""
     if not callable(fun):
         raise TypeError(f"fun must be callable, got {fun!r} ({type(fun).__name__})")
-    names = _axis_names("axes", axes)
+    names = _per_shard.axis_names("axes", axes)
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise TypeError(f"argnums must be an int, got {argnums!r} ({type(argnums).__name__})")
+    has_aux = _checks.require_bool("has_aux", has_aux)
     mean = _checks.canonical_reduction(reduction) == "mean"
-
-    def grad_fn(*args: Any) -> Any:
-        _compat.require_sum_types()
-        if not -len(args) <= argnums < len(args):
-            raise ValueError(f"argnums={argnums} names no argument of the {len(args)} given")
-        index = argnums % len(args)
-        mesh = _explicit_mesh()
-        missing = names - set(mesh.axis_names)
-        if missing:
-            raise ValueError(
-                f"axes must name axes of the mesh {mesh.axis_names}, got {sorted(missing)}"
-            )
-        args = list(args)
-        params = args[index]
-        jax.tree_util.tree_map_with_path(lambda path, x: _check_param_axes(path, x, names), params)
-        args[index] = _unreduced.plain(params)  # free: fun gets plain, whole params
-        in_specs = [jax.tree.map(_layout, a) for a in args]
-        batch_axes = set()
-        for i, spec in enumerate(in_specs):
-            if i != index:
-                batch_axes |= {
-                    n for s in jax.tree.leaves(spec, is_leaf=_is_spec) for n in _spec_names(s)
-                }
-        if names - batch_axes:
-            raise ValueError(
-                "axes must be mesh axes the batch is split over, got "
-                f"{sorted(names - batch_axes)}: the arguments other than the params are "
-                f"split over {sorted(batch_axes)}"
-            )
-        shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
-        scale = 1.0 / shards if mean else 1.0
-        param_specs = in_specs[index]
-        order = tuple(a for a in mesh.axis_names if a in batch_axes)
-
-        def per_device(*local: Any) -> Any:
-            local = list(local)
-            whole = jax.tree.map(_gathered, local[index], param_specs, is_leaf=_is_array)
-            local[index] = _compat.pcast_varying(whole, order)
-
-            def scaled(p: Any) -> Any:
-                return fun(*local[:index], p, *local[index + 1 :]) * scale
-
-            grads = jax.grad(scaled)(local[index])
-            return jax.tree.map(
-                lambda g, s: _to_shard(g, s, batch_axes, names),
-                grads,
-                param_specs,
-                is_leaf=_is_array,
-            )
-
-        out_specs = jax.tree.map(lambda s: P(*s, unreduced=names), param_specs, is_leaf=_is_spec)
-        return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)(
-            *args
-        )
-
-    return grad_fn
+    return {"fun": fun, "names": names, "argnums": argnums, "has_aux": has_aux, "mean": mean}
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _axis_names(name: str, axes: Any) -> frozenset:
-    seq = tuple(axes) if isinstance(axes, list | tuple | set | frozenset) else (axes,)
-    if not seq or any(not isinstance(a, Hashable) or isinstance(a, bool) for a in seq):
-        raise TypeError(
-            f"{name} must be a mesh axis name or a non-empty sequence of them, got {axes!r}"
-        )
-    return frozenset(seq)
-
-
-def _explicit_mesh() -> Any:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        got = "no mesh" if mesh.empty else f"axis types {tuple(mesh.axis_types)}"
-        raise ValueError(
-            "unreduced_grad needs a mesh with explicit axes set with jax.set_mesh "
-            f"(jax.make_mesh's default from jax 0.10), got {got}"
-        )
-    return mesh
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray)
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
-
-
-def _spec_names(spec: P) -> set:
-    names = set()
-    for entry in spec:
-        if entry is not None:
-            names |= set(entry) if isinstance(entry, tuple) else {entry}
-    return names
-
-
-def _layout(x: Any) -> P:
-    """The partition spec of `x`'s type, without reduced or unreduced axes."""
-    sharding = _compat.explicit_sharding(jax.typeof(x))
-    if sharding is None:
-        return P()
-    return P(*getattr(sharding.spec, "partitions", sharding.spec))
-
-
-def _check_param_axes(path: Any, x: Any, names: frozenset) -> None:
-    sharding = _compat.explicit_sharding(jax.typeof(x))
-    if sharding is None:
-        raise ValueError(
-            f"params{jax.tree_util.keystr(path)} must be on a mesh with explicit axes (under "
-            f"jax.set_mesh, or placed with a NamedSharding), got {jax.typeof(x)}"
-        )
-    shared = _spec_names(_layout(x)) & names
-    if shared:
-        raise ValueError(
-            f"params{jax.tree_util.keystr(path)} must not be sharded over the batch axes "
-            f"{sorted(shared)} whose sum is deferred, got {jax.typeof(x)}"
-        )
-
-
-def _gathered(x: jax.Array, spec: P) -> jax.Array:
-    """A param's whole value from its local block (all-gathers over its shard axes),
-    typed the same on every device along them (a varying one would make `jax.grad` sum
-    the gradients of the other params over those axes)."""
-    for dim, entry in enumerate(spec):
-        if entry is not None:
-            x = lax.all_gather(x, entry, axis=dim, tiled=True, to="invarying")
-    return x
-
-
-def _to_shard(g: jax.Array, spec: P, batch_axes: set, deferred: frozenset) -> jax.Array:
-    """One device's gradient of a whole param, made its shard of the gradient: summed
-    over the batch axes not deferred (a reduce-scatter over those the param is sharded
-    over, an all-reduce over the others), sliced over the shard axes the batch is not
-    split over, and typed unreduced over the deferred ones."""
-    summed = set()
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        entry_names = entry if isinstance(entry, tuple) else (entry,)
-        if set(entry_names) <= batch_axes:
-            g = lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
-            summed |= set(entry_names)
-        elif set(entry_names) & batch_axes:
-            raise ValueError(
-                f"unreduced_grad cannot shard a param over {entry}: some of these axes "
-                f"split the batch ({sorted(batch_axes)}) and some do not"
-            )
-        else:  # the same on every device along it: take this device's block
-            size = g.shape[dim] // int(np.prod([lax.axis_size(n) for n in entry_names]))
-            start = lax.axis_index(entry) * size
-            g = lax.dynamic_slice_in_dim(g, start, size, axis=dim)
-    rest = tuple(sorted(batch_axes - deferred - summed, key=str))
-    if rest:
-        g = lax.psum(g, rest)
-    return lax.pcast(g, tuple(sorted(deferred, key=str)), to="unreduced")
-
-
-__all__ = ["as_reduced", "unreduced_grad"]
+__all__ = ["as_reduced", "keep_reduction_axes", "unreduced_grad", "unreduced_value_and_grad"]

@@ -1,4 +1,5 @@
-"""Malformed calls to as_reduced and unreduced_grad get a clear error.
+"""Malformed calls to as_reduced, unreduced_grad, unreduced_value_and_grad and
+keep_reduction_axes get a clear error.
 
 Each entry of BAD is one malformed call; tests/_bad_inputs.py says what a clear error
 is and holds the fixtures every table shares.
@@ -99,6 +100,88 @@ BAD: list[Bad] = [
         ),
         ValueError,
         r"argnums=2 names no argument of the 2 given",
+    ),
+]
+
+
+def _batch() -> jax.Array:
+    return jax.reshard(jnp.ones((8, 3)), P("data"))
+
+
+def _closing_over_the_batch():
+    """A loss that reads the batch from its closure, differentiated under jit."""
+
+    def step(params, x, weights):
+        loss = lambda p, w: jnp.mean((x @ p["w"]) * w)  # noqa: E731
+        return optax_accum.unreduced_value_and_grad(loss, "data")(params, weights)
+
+    with jax.set_mesh(_explicit_mesh()):
+        params = optax_accum.as_reduced({"w": jnp.zeros(3)}, "data")
+        jax.jit(step).trace(params, _batch(), jax.reshard(jnp.ones(8), P("data")))
+
+
+def _bool_aux():
+    loss = lambda p, x: (jnp.mean(x @ p["w"]), jnp.all(x > 0))  # noqa: E731
+    with jax.set_mesh(_explicit_mesh()):
+        fn = optax_accum.unreduced_value_and_grad(loss, "data", has_aux=True)
+        jax.jit(fn).trace({"w": jnp.zeros(3)}, _batch())
+
+
+def _typed_like_rules(spec):
+    """`keep_reduction_axes` of `spec` for a param typed reduced over "data"."""
+    with jax.set_mesh(_explicit_mesh()):
+        shapes = jax.eval_shape(lambda: optax_accum.as_reduced({"w": jnp.zeros((8, 2))}, "data"))
+    return optax_accum.keep_reduction_axes(spec, shapes)
+
+
+BAD += [
+    Bad(
+        "unreduced_value_and_grad/has_aux='yes'",
+        lambda: optax_accum.unreduced_value_and_grad(_loss, "data", has_aux="yes"),
+        TypeError,
+        r"has_aux must be a bool, got 'yes' \(str\)",
+    ),
+    Bad(
+        "unreduced_value_and_grad/fun closes over the batch",
+        _closing_over_the_batch,
+        ValueError,
+        r"fun must take the arrays it reads as arguments: it closes over an array sharded",
+    ),
+    Bad(
+        "unreduced_grad/fun reads the whole batch from a closure",
+        _under_mesh(
+            lambda: optax_accum.unreduced_grad(lambda p: _loss(p, _batch()), "data")(
+                {"w": jnp.zeros(3)}
+            )
+        ),
+        ValueError,
+        r"If fun reads the batch from a closure, pass it as an argument instead",
+    ),
+    Bad(
+        "unreduced_value_and_grad/a bool aux",
+        _bool_aux,
+        TypeError,
+        r"aux values must be floats .* or integers \(summed\), got bool",
+    ),
+    Bad(
+        "as_reduced/an abstract param with no sharding",
+        lambda: optax_accum.as_reduced({"w": jax.ShapeDtypeStruct((3,), jnp.float32)}, "data"),
+        ValueError,
+        r"params\['w'\] must be on a mesh with explicit axes .* got float32\[3\] with "
+        r"sharding None",
+    ),
+    Bad(
+        "keep_reduction_axes/a spec that shards over a reduced axis",
+        lambda: _typed_like_rules({"w": P("data", None)}),
+        ValueError,
+        r"specs\['w'\] must not shard over \['data'\], which the leaf is typed reduced or "
+        r"unreduced over",
+    ),
+    Bad(
+        "keep_reduction_axes/specs for another tree",
+        lambda: _typed_like_rules({"w": P(), "b": P()}),
+        ValueError,
+        r"specs must have one spec per leaf of like",
     ),
 ]
 
