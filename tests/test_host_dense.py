@@ -610,7 +610,7 @@ def test_a_hand_off_interrupted_after_its_answer_was_dispatched(pool, monkeypatc
     acc = optax_accum.ConditionalAccumulator(np.float32, shape=(2,))
     real = _dense.DenseCore.seal
 
-    def interrupted(self, batch):
+    def interrupted(self, batch, take):
         self._answer(batch)
         raise KeyboardInterrupt
 

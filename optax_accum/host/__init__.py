@@ -59,10 +59,35 @@ consistent and every other waiting take served or timing out at its deadline.
 Modules: `_takes` (the queue of takes and its deadlines), `_core` (step, counters,
 hand-off, shared names), `_dense` and `_sparse` (the two accumulators), `_slots` (the
 sparse one's slot table: which row id each slot holds), `_args` and `_device`
-(argument checks, buffers the accumulator owns).
+(argument checks, buffers the accumulator owns). `_core`, `_takes`, `_slots` and
+`_args` are NumPy and Python only: the Ray actor shares them without importing JAX,
+so the two classes are imported on first use.
 """
 
-from optax_accum.host._dense import ConditionalAccumulator
-from optax_accum.host._sparse import SparseConditionalAccumulator
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optax_accum.host._dense import ConditionalAccumulator
+    from optax_accum.host._sparse import SparseConditionalAccumulator
+
+_LAZY = {
+    "ConditionalAccumulator": "optax_accum.host._dense",
+    "SparseConditionalAccumulator": "optax_accum.host._sparse",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'optax_accum.host' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["ConditionalAccumulator", "SparseConditionalAccumulator"]

@@ -1,17 +1,24 @@
 """Argument checks for the host accumulators: each returns the canonical value or raises
-a TypeError/ValueError naming the argument, what was expected and what came."""
+a TypeError/ValueError naming the argument, what was expected and what came.
+
+NumPy only: the Ray actor (`optax_accum.ray`) runs these checks in a process that
+never imports JAX. A JAX array is recognised only where JAX is already imported (no
+one else can hold one), and read as NumPy reads it.
+"""
 
 from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)
+)
 
 Shape = tuple[int | None, ...]
 
@@ -19,10 +26,35 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def is_jax_array(x: Any) -> bool:
+    """Whether `x` is a JAX array (never, in a process that has not imported JAX)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype an accumulator of (supported) `dtype` sums in: float16 and bfloat16 in
+    float32, as the functional accumulators do; float32 and float64 in themselves."""
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def check_reduction(reduction_type: Any) -> bool:
+    """Whether `reduction_type` ("MEAN" or "SUM", any case) is MEAN."""
+    if isinstance(reduction_type, str) and reduction_type.lower() in ("mean", "sum"):
+        return reduction_type.lower() == "mean"
+    raise ValueError(f'reduction_type must be "mean" or "sum" (any case), got {reduction_type!r}')
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def check_dtype(dtype: Any) -> np.dtype:
     try:
-        dt = None if dtype is None else jnp.dtype(dtype)  # np.dtype(None) is float64
-    except TypeError:
+        dt = None if dtype is None else np.dtype(dtype)  # np.dtype(None) is float64
+    except (TypeError, ValueError):  # a dict or a list reads as a structured dtype
         dt = None
     if dt is None or dt not in SUPPORTED_DTYPES:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
@@ -55,11 +87,11 @@ def _shape_values(shape: Any) -> Any:
     if isinstance(shape, int | np.integer):
         return (shape,)
     if (
-        isinstance(shape, np.ndarray | jax.Array)
+        (isinstance(shape, np.ndarray) or is_jax_array(shape))
         and shape.ndim == 1
-        and jnp.issubdtype(shape.dtype, jnp.integer)
+        and np.issubdtype(shape.dtype, np.integer)
     ):
-        return np.asarray(jax.device_get(shape)).tolist()
+        return np.asarray(shape).tolist()
     return shape
 
 
@@ -101,9 +133,9 @@ def _int_scalar(value: Any) -> int | None:
     if isinstance(value, int | np.integer):
         return int(value)
     if (
-        isinstance(value, np.ndarray | jax.Array)
+        (isinstance(value, np.ndarray) or is_jax_array(value))
         and value.ndim == 0
-        and jnp.issubdtype(value.dtype, jnp.integer)
+        and np.issubdtype(value.dtype, np.integer)
     ):
         try:
             return int(value)
@@ -143,20 +175,20 @@ def check_weight(weight: Any) -> float | None:
     """
     if weight is None:
         return None
-    real = int | float | np.integer | np.floating | np.ndarray | jax.Array
-    if isinstance(weight, bool | np.bool_) or not isinstance(weight, real):
+    real = isinstance(weight, int | float | np.integer | np.floating | np.ndarray)
+    if isinstance(weight, bool | np.bool_) or not (real or is_jax_array(weight)):
         raise TypeError(
             f"weight must be None or a non-negative real scalar, got {weight!r:.80} "
             f"({type(weight).__name__})"
         )
     dtype = np.dtype(weight.dtype) if hasattr(weight, "dtype") else None
-    if dtype is not None and dtype.kind not in "iuf" and dtype != jnp.bfloat16:
+    if dtype is not None and dtype.kind not in "iuf" and dtype != ml_dtypes.bfloat16:
         raise TypeError(f"weight must be None or a non-negative real scalar, got dtype {dtype}")
     if np.ndim(weight) != 0:
         raise ValueError(
             f"weight must be None or a non-negative real scalar, got shape {np.shape(weight)}"
         )
-    value = float(np.asarray(jax.device_get(weight), np.float64))
+    value = float(np.asarray(weight, np.float64))
     if not (math.isfinite(value) and 0 <= value <= _FLOAT32_MAX):
         raise ValueError(
             f"weight must be a non-negative, finite scalar (in float32), got {value!r}"
@@ -220,9 +252,9 @@ def as_array(x: Any, dtype: np.dtype, what: str) -> Any:
         if converted.dtype.kind not in "iuf":  # None would become NaN, True 1.0
             raise TypeError(f"{what} must be an array or nested list of numbers, got {x!r:.80}")
         x = converted.astype(dtype)
-    if jnp.dtype(x.dtype) != dtype:
+    if np.dtype(x.dtype) != dtype:
         raise TypeError(f"{what} must have the accumulator's dtype {dtype.name}, got {x.dtype}")
-    if isinstance(x, jax.Array) and x.is_deleted():
+    if is_jax_array(x) and x.is_deleted():
         raise ValueError(
             f"{what} must be a live array, got one whose buffer was deleted (donated to a "
             f"jit or deleted) before the apply"
@@ -241,7 +273,7 @@ def check_sparse_grad(
     if not hasattr(indices, "shape"):
         listed = np.asarray(indices)
         indices = listed.astype(np.int32) if listed.size == 0 else listed
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
+    if not np.issubdtype(indices.dtype, np.integer):
         raise TypeError(f"grad_indices must be integers, got dtype {indices.dtype}")
     if len(indices.shape) != 1:
         raise ValueError(f"grad_indices must be a vector, got shape {list(indices.shape)}")
@@ -254,7 +286,7 @@ def check_sparse_grad(
             f"rows, got {values.shape[0]}"
         )
     grad_shape = _check_grad_shape(grad_shape, shape)
-    host = np.asarray(jax.device_get(indices)).astype(np.int64, copy=False)
+    host = np.asarray(indices).astype(np.int64, copy=False)
     if host.size:
         _check_row_ids(host, grad_shape, shape)
     _check_values_shape(values, shape)

@@ -9,21 +9,25 @@ aggregate consistent. When the head take's count is reached, the whole batch is
 handed to that take and replaced by an empty one, and the global step advances: a
 few assignments under the lock, repaired if interrupted. The taker reduces the batch
 in its own thread, outside the lock, while appliers go on filling the next one.
+
+NumPy and Python only, as `_takes` and `_args`: the kinds that keep their aggregate
+on a JAX device (`_dense`, `_sparse`) bring JAX; the Ray actor's kinds, which sum in
+NumPy, share this module, its rules and its take queue without importing JAX.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from optax_accum import _checks, _sums
 from optax_accum.host import _args
-from optax_accum.host._device import Device
 from optax_accum.host._takes import Take, TakeQueue
 
 
@@ -45,18 +49,12 @@ class Core:
     """
 
     kind = "accumulator"
-    staging_keep = 8  # idle staging buffers kept per shape
 
-    def __init__(
-        self, dtype: np.dtype, shape: _args.Shape | None, mean: bool, skip_nonfinite: bool
-    ) -> None:
+    def __init__(self, dtype: Any, shape: Any, mean: bool, skip_nonfinite: bool) -> None:
         self.dtype = dtype
         self.shape = shape
         self.mean = mean
         self.skip_nonfinite = skip_nonfinite
-        # float16/bfloat16 accumulate in float32, as the functional accumulators do.
-        self.acc_dtype = _sums.accumulator_dtype_for(dtype, None)
-        self.device = Device(self.acc_dtype, self.staging_keep)
         self.lock = threading.Lock()
         self.takes = TakeQueue(self.lock, self.serve)
         self.batch = self.new_batch()
@@ -80,8 +78,14 @@ class Core:
     def reduce(self, batch: Batch) -> Any:
         raise NotImplementedError
 
-    def seal(self, batch: Batch) -> None:
-        """Called as `batch` is handed to a take (lock held): kinds may start its
+    def handing(self, take: Take, new_step: int) -> BaseException | None:
+        """Called just before `take` is handed the batch and the step becomes
+        `new_step` (lock held, nothing changed yet): an error returned fails the take
+        instead, consuming nothing (the Ray actor's checkpoint could not be written)."""
+        return None
+
+    def seal(self, batch: Batch, take: Take) -> None:
+        """Called as `batch` is handed to `take` (lock held): kinds may start its
         reduction here, on the device ahead of the next batch's work. Any failure must
         be left for `reduce` to meet again, in the taker's thread."""
 
@@ -108,8 +112,13 @@ class Core:
 
     def serve(self) -> None:
         """Hands the batch to the head take if it has enough gradients and no grace
-        period left to wait (lock held)."""
+        period left to wait (lock held). A take whose caller is gone (see `take`) is
+        dropped instead, and the one behind it considered."""
         head = self.takes.head()
+        while head is not None and head.gone is not None and self.batch.count >= head.num_required:
+            if not self.takes.drop_if_gone(head):
+                break
+            head = self.takes.head()
         if head is None or self.batch.count < head.num_required:
             return
         batch = self.batch
@@ -117,9 +126,14 @@ class Core:
             if not head.due():  # in its grace period (interrupted: its thread is woken)
                 return
             step, empty = self.global_step, self.new_batch()
+            error = self.handing(head, step + 1)
+            if error is not None:  # the take fails, consuming nothing
+                self.takes.pop_head()
+                head.fail(error)
+                return
             self.takes.pop_head()
             self.batch, self.global_step = empty, step + 1  # one step: no interruption inside
-            self.seal(batch)  # the batch is the take's alone now
+            self.seal(batch, head)  # the batch is the take's alone now
             head.hand(batch)
         except BaseException:  # e.g. KeyboardInterrupt: finish or undo, never half
             if self.batch is batch:  # not handed: put the take back, let its thread serve
@@ -129,10 +143,26 @@ class Core:
                 head.hand(batch)
             raise
 
-    def take(self, num_required: Any, timeout: Any, grace_period: Any = None) -> Any:
+    def take(
+        self,
+        num_required: Any,
+        timeout: Any,
+        grace_period: Any = None,
+        gone: Callable[[], BaseException | None] | None = None,
+        queued: Callable[[Take], None] | None = None,
+    ) -> Any:
+        """Waits in the queue until handed a batch, then reduces it (the taker's thread).
+
+        `gone`, if given, is asked (lock held) before the take is handed a batch: if it
+        returns an error (its caller died, say), the take is dropped with that error
+        instead, consuming nothing. `queued` is called with the take before it waits.
+        """
         take = Take(_args.check_num_required(num_required))
         timeout = _args.check_timeout(timeout)
         take.grace = _args.check_grace_period(grace_period)
+        take.gone = gone
+        if queued is not None:
+            queued(take)
         if not self.takes.wait(take, timeout):
             raise TimeoutError(
                 f"take_grad({take.num_required}) timed out after {timeout} s with "
@@ -140,8 +170,23 @@ class Core:
             )
         if take.error is not None:
             raise take.error
-        with self.device.precision():
+        with self.reducing():
             return self.reduce(take.batch)
+
+    def reducing(self) -> contextlib.AbstractContextManager:
+        """The context a batch is reduced in (kinds on a device: its precision)."""
+        return contextlib.nullcontext()
+
+    def drop(self, take: Take, error: BaseException) -> bool:
+        """Withdraws a waiting `take` from another thread: it fails with `error`,
+        consuming nothing. Returns False if it was served (or ended) already."""
+        with self.lock:
+            return self.takes.drop(take, error)
+
+    def drop_gone(self) -> None:
+        """Drops every waiting take whose caller is gone (see `take`)."""
+        with self.lock:
+            self.takes.drop_gone()
 
     def cancel_waiting_takes(self) -> int:
         def cancelled(take: Take) -> BaseException:
@@ -219,8 +264,8 @@ class HostAccumulator:
             raise TypeError(f"name must be a str, got {name!r}")
         dtype = _args.check_dtype(dtype)
         shape = _args.check_shape(shape)
-        mean = _checks.canonical_reduction(reduction_type, argname="reduction_type") == "mean"
-        skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
+        mean = _args.check_reduction(reduction_type)
+        skip_nonfinite = _args.check_bool("skip_nonfinite", skip_nonfinite)
         self._core = core_for(
             shared_name, lambda: self._core_type(dtype, shape, mean, skip_nonfinite)
         )

@@ -22,7 +22,8 @@ import numpy as np
 
 from optax_accum import _sums
 from optax_accum.host import _args
-from optax_accum.host._core import Batch, Core, HostAccumulator
+from optax_accum.host._core import Batch, Core, HostAccumulator, Take
+from optax_accum.host._device import OnDevice
 
 _MAX_PENDING = 4  # dense gradients added per kernel at most
 
@@ -125,7 +126,7 @@ class DenseBatch(Batch):
         self.answer: jax.Array | None = None  # the take's result, once dispatched
 
 
-class DenseCore(Core):
+class DenseCore(OnDevice, Core):
     kind = "ConditionalAccumulator"
     staging_keep = 2 * _MAX_PENDING
 
@@ -244,7 +245,7 @@ class DenseCore(Core):
         head = self.takes.head()
         return head is not None and count == head.num_required - 1
 
-    def seal(self, batch: DenseBatch) -> None:
+    def seal(self, batch: DenseBatch, take: Take) -> None:
         """Dispatches the take's answer as the batch is handed over (lock held), so the
         device starts on it before the taker's thread wakes."""
         try:

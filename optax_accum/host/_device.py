@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_accum import _compat
+from optax_accum import _compat, _sums
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -109,3 +109,20 @@ class Device:
             fresh = aligned_empty(x.shape, x.dtype)
             np.copyto(fresh, x)
             return jax.device_put(fresh, may_alias=True)
+
+
+class OnDevice:
+    """A mixin for the kinds of `_core.Core` whose aggregate lives on a JAX device: it
+    sets their accumulator dtype (float16/bfloat16 accumulate in float32, as the
+    functional accumulators do) and `device`, keeping `staging_keep` idle staging
+    buffers per shape, and reduces in the device's precision."""
+
+    staging_keep = 8
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.acc_dtype = _sums.accumulator_dtype_for(self.dtype, None)
+        self.device = Device(self.acc_dtype, self.staging_keep)
+
+    def reducing(self) -> contextlib.AbstractContextManager:
+        return self.device.precision()

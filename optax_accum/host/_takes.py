@@ -12,6 +12,10 @@ own thread. A take leaves the queue only by being handed its batch, failed
 (cancelled) or withdrawn by its own thread (deadline passed, or interrupted), so none
 is ever left waiting unserved.
 
+A take may come with a check of its caller (`gone`, the Ray actor's: is the remote
+caller still alive?): a take whose caller is gone when its batch is ready is dropped
+instead of served, and the next one considered.
+
 A take with a grace period is not handed its batch when its count is reached: it
 ripens instead (`grace_ends` is set, under the lock, and its thread woken), stays at
 the head of the queue while gradients keep arriving, and is handed the batch once the
@@ -31,12 +35,23 @@ from typing import Any
 class Take:
     """One waiting `take_grad`: it ends handed a batch or failed with an error."""
 
-    __slots__ = ("admitted", "batch", "error", "event", "grace", "grace_ends", "num_required")
+    __slots__ = (
+        "admitted",
+        "batch",
+        "error",
+        "event",
+        "gone",
+        "grace",
+        "grace_ends",
+        "num_required",
+    )
 
     def __init__(self, num_required: int, grace: float | None = None) -> None:
         self.num_required = num_required
         self.grace = grace  # seconds to wait on once num_required is reached, or None
         self.grace_ends: float | None = None  # the monotonic time it ends, once ripe
+        # Asked before the take is handed a batch: an error if its caller is gone.
+        self.gone: Callable[[], BaseException | None] | None = None
         self.event = threading.Event()
         self.admitted = False  # moved from the arrivals into the queue (lock held)
         self.batch: Any = None
@@ -124,6 +139,36 @@ class TakeQueue:
         """Wakes the head's thread to serve itself (after an interrupted hand-off)."""
         if self._takes:
             self._takes[0].event.set()
+
+    def drop(self, take: Take, error: BaseException) -> bool:
+        """Fails a waiting `take` with `error` (its thread raises it), serving the one
+        behind it if it was the head; False if it was done already."""
+        self._admit()
+        if take.done:
+            return False
+        if take in self._takes:
+            was_head = self._takes[0] is take
+            self._takes.remove(take)
+            if was_head:
+                self._serve()
+        take.fail(error)
+        return True
+
+    def drop_if_gone(self, take: Take) -> bool:
+        """Drops `take` if its caller is gone (see `Take.gone`); whether it did."""
+        error = take.gone()
+        if error is None:
+            return False
+        self._takes.remove(take)
+        take.fail(error)
+        return True
+
+    def drop_gone(self) -> None:
+        """Drops every take whose caller is gone, then serves the head."""
+        self._admit()
+        for take in [t for t in self._takes if t.gone is not None]:
+            self.drop_if_gone(take)
+        self._serve()
 
     def cancel_all(self, error: Callable[[Take], BaseException]) -> int:
         self._admit()

@@ -6,43 +6,45 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
+import numpy as np
 
-from optax_accum.host import SparseConditionalAccumulator as _InProcess
-from optax_accum.indexed_slices import IndexedSlices
 from optax_accum.ray import _payload
 from optax_accum.ray._handle import RayAccumulator
+
+
+def _indexed_slices() -> type:
+    from optax_accum.indexed_slices import IndexedSlices
+
+    return IndexedSlices
 
 
 class SparseConditionalAccumulator(RayAccumulator):
     """TF's `SparseConditionalAccumulator`, shared by the processes of a Ray cluster.
 
     The sparse sibling of `optax_accum.ray.ConditionalAccumulator` (same actor,
-    sharing, queue and payload rules), holding an in-process
-    `optax_accum.SparseConditionalAccumulator`: its checks, row-wise MEAN and
-    answers (sorted unique indices) are that object's.
+    ownership, sharing, identities, queue and payload rules): its checks, row-wise
+    MEAN and answers (sorted unique indices) are the in-process
+    `optax_accum.SparseConditionalAccumulator`'s. One actor can hold a tree of
+    tables: `shape` a tree of table shapes (with one dtype, or a matching tree of
+    dtypes), or `dtype` a tree of arrays or `jax.ShapeDtypeStruct`s; its gradients
+    are then trees of `IndexedSlices` (or of indices and of values), and a take
+    returns the whole tree.
 
     Args:
-      dtype: float16, bfloat16, float32 or float64.
-      shape: the dense shape of the gradients; None dims (or -1) are unknown.
+      dtype: float16, bfloat16, float32 or float64; or a tree (see above).
+      shape: the dense shape of the gradients; None dims (or -1) are unknown; or a
+        tree of them.
       shared_name: as for `optax_accum.ray.ConditionalAccumulator`.
       name: a name, for display.
       reduction_type: "MEAN" (default) or "SUM", in any case.
       skip_nonfinite: as for the in-process object.
-      namespace: the Ray namespace of the `shared_name` (None: the job's namespace,
-        which only the job's own tasks and actors share; name one to share across
-        drivers).
-      checkpoint_dir: if set, a directory (on the actor's machine) where the actor
-        keeps its global step and the gradients accepted since the last take, each
-        written atomically before the call that changed it returns; an actor
-        restarted by Ray (`max_restarts`) resumes from it. Costs a file write per
-        accepted gradient.
-      max_restarts: how many times Ray restarts the actor if its process dies (-1:
-        forever). Calls in flight when it dies raise `AccumulatorUnavailableError`.
-      lifetime: None (the actor ends with the process that created it) or
-        "detached" (it outlives it, until `kill()` or the cluster ends).
+      namespace: as for `optax_accum.ray.ConditionalAccumulator`.
+      checkpoint_dir: as for `optax_accum.ray.ConditionalAccumulator`.
+      max_restarts: as for `optax_accum.ray.ConditionalAccumulator`.
+      lifetime: as for `optax_accum.ray.ConditionalAccumulator`.
+
     Raises:
-      TypeError / ValueError: as for `optax_accum.ray.ConditionalAccumulator`.
+      TypeError / ValueError / OSError: as for `optax_accum.ray.ConditionalAccumulator`.
 
     Example:
       >>> import numpy as np, ray, optax_accum.ray
@@ -55,10 +57,10 @@ class SparseConditionalAccumulator(RayAccumulator):
       >>> indices, values, shape = acc.take_grad(2, timeout=60.0)
       >>> indices.tolist(), values.tolist(), shape
       ([0, 1, 2], [[0.5, 0.5], [0.0, 2.0], [3.0, 0.0]], (4, 2))
+      >>> acc.kill()
     """
 
     _kind = "sparse"
-    _in_process = _InProcess
 
     def __init__(
         self,
@@ -71,7 +73,7 @@ class SparseConditionalAccumulator(RayAccumulator):
         skip_nonfinite: bool = False,
         namespace: str | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
-        max_restarts: int = 0,
+        max_restarts: int | None = None,
         lifetime: str | None = None,
     ) -> None:
         super().__init__(
@@ -87,6 +89,13 @@ class SparseConditionalAccumulator(RayAccumulator):
             lifetime,
         )
 
+    def _apply_rows(self, local_step: Any, weight: Any, rows: list) -> bool:
+        """Sends each leaf's `(indices, values, shape)`, in turn."""
+        payload = []
+        for indices, values, shape in rows:
+            payload += [_payload.send(indices), _payload.send(values), _payload.to_host(shape)]
+        return self._apply(local_step, weight, payload)
+
     def apply_grad(
         self,
         grad_indices: Any,
@@ -98,12 +107,16 @@ class SparseConditionalAccumulator(RayAccumulator):
     ) -> bool:
         """Offers a sparse gradient computed at `local_step`; returns whether accepted.
 
-        Checked in the actor as the in-process `apply_grad` checks it.
+        Checked in the actor as the in-process `apply_grad` checks it; safe to call
+        again after an ambiguous failure (it counts once).
 
         Args:
-          grad_indices: an integer vector of row ids (NumPy, JAX or a list).
-          grad_values: `[len(grad_indices), ...]` rows of the accumulator's dtype.
-          grad_shape: the gradient's dense shape, or None.
+          grad_indices: an integer vector of row ids (NumPy, JAX or a list); for a
+            tree of tables, a tree of them.
+          grad_values: `[len(grad_indices), ...]` rows of the accumulator's dtype;
+            for a tree, a tree of them.
+          grad_shape: the gradient's dense shape, or None; for a tree, None or a
+            tree of them.
           local_step: the global step the gradient was computed at.
           weight: the gradient's weight in a weighted mean; None weighs 1.
 
@@ -112,21 +125,23 @@ class SparseConditionalAccumulator(RayAccumulator):
 
         Raises:
           TypeError / ValueError: as the in-process `apply_grad`; nothing changes.
+          OSError: if the checkpoint could not be written; nothing was counted.
           AccumulatorUnavailableError: if the actor died.
         """
-        return self._apply(
-            "apply_grad",
-            local_step,
-            weight,
-            grad_indices,
-            grad_values,
-            _payload.to_host(grad_shape),
-        )
+        treedef = self._treedef
+        indices = _payload.leaves_of(treedef, grad_indices, "grad_indices")
+        values = _payload.leaves_of(treedef, grad_values, "grad_values")
+        if grad_shape is None:
+            shapes = [None] * len(indices)
+        else:
+            shapes = _payload.leaves_of(treedef, grad_shape, "grad_shape")
+        return self._apply_rows(local_step, weight, list(zip(indices, values, shapes, strict=True)))
 
     def apply_indexed_slices_grad(
-        self, grad: IndexedSlices, local_step: int = 0, *, weight: Any = None
+        self, grad: Any, local_step: int = 0, *, weight: Any = None
     ) -> bool:
-        """`apply_grad` for an `IndexedSlices` gradient (padding rows left out).
+        """`apply_grad` for an `IndexedSlices` gradient (padding rows left out), or a
+        tree of them.
 
         Args:
           grad: the gradient.
@@ -139,20 +154,26 @@ class SparseConditionalAccumulator(RayAccumulator):
         Raises:
           TypeError: if `grad` is not an `IndexedSlices`; otherwise as `apply_grad`.
         """
-        if not isinstance(grad, IndexedSlices):
-            raise TypeError(f"grad must be an optax_accum.IndexedSlices, got {type(grad).__name__}")
-        return self._apply(
-            "apply_indexed_slices_grad",
-            local_step,
-            weight,
-            grad.indices,
-            grad.values,
-            grad.dense_shape,
-        )
+        cls = _indexed_slices()
+        treedef = self._treedef
+        leaves = [grad] if treedef is None else treedef.flatten_up_to(grad)
+        rows = []
+        for leaf in leaves:
+            if not isinstance(leaf, cls):
+                raise TypeError(
+                    f"grad must be an optax_accum.IndexedSlices, got {type(leaf).__name__}"
+                )
+            indices, values = _payload.to_host(leaf.indices), _payload.to_host(leaf.values)
+            if hasattr(indices, "shape") and len(indices.shape) == 1:
+                keep = np.asarray(indices) != leaf.padding_index
+                if not keep.all():
+                    indices, values = np.asarray(indices)[keep], np.asarray(values)[keep]
+            rows.append((indices, values, leaf.dense_shape))
+        return self._apply_rows(local_step, weight, rows)
 
     def take_grad(
         self, num_required: int, timeout: float | None = None, *, grace_period: float | None = None
-    ) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
+    ) -> Any:
         """Blocks until `num_required` gradients are in; returns their aggregate rows.
 
         Args:
@@ -161,18 +182,24 @@ class SparseConditionalAccumulator(RayAccumulator):
           grace_period: as for `optax_accum.ray.ConditionalAccumulator.take_grad`.
 
         Returns:
-          `(indices, values, shape)` as the in-process `take_grad` returns them.
+          `(indices, values, shape)` as the in-process `take_grad` returns them; for a
+          tree of tables, a tree of them.
 
         Raises:
           As `optax_accum.ray.ConditionalAccumulator.take_grad`.
         """
-        indices, values, shape = self._take(num_required, timeout, grace_period)
-        return _payload.from_host(indices), _payload.from_host(values), shape
+        leaves = self._take(num_required, timeout, grace_period)
+        return self._tree(
+            [
+                (_payload.from_host(indices), _payload.from_host(values), shape)
+                for indices, values, shape in leaves
+            ]
+        )
 
     def take_indexed_slices_grad(
         self, num_required: int, timeout: float | None = None, *, grace_period: float | None = None
-    ) -> IndexedSlices:
-        """`take_grad`, returning an `IndexedSlices`.
+    ) -> Any:
+        """`take_grad`, returning an `IndexedSlices` (or a tree of them).
 
         Args:
           num_required: a positive int, or a 0-d integer array.
@@ -185,4 +212,11 @@ class SparseConditionalAccumulator(RayAccumulator):
         Raises:
           As `take_grad`.
         """
-        return IndexedSlices(*self.take_grad(num_required, timeout, grace_period=grace_period))
+        cls = _indexed_slices()
+        leaves = self._take(num_required, timeout, grace_period)
+        return self._tree(
+            [
+                cls(_payload.from_host(indices), _payload.from_host(values), shape)
+                for indices, values, shape in leaves
+            ]
+        )
