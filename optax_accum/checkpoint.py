@@ -10,8 +10,8 @@ unreduced`, from Orbax, `flax.serialization` and `np.asarray` alike).
 
 `to_checkpoint` gives the tree as a checkpoint holds it, every leaf plain: a reduced
 leaf is its own buffers retyped (no data moves, no copy), an unreduced one its true
-value, summed once (one all-reduce per leaf, in one compiled program, at save time
-only). `from_checkpoint` types each saved leaf as the leaf of a fresh state: reduced
+value, summed once (an all-reduce of each leaf's shard, all in one compiled program,
+which XLA may fuse into one all-reduce; at save time only). `from_checkpoint` types each saved leaf as the leaf of a fresh state: reduced
 again (no data moves), or unreduced with the whole sum on one device of each group
 along the unreduced axes and zeros on the others, which is exact (the sum over the
 devices is the saved value, bit for bit). A restored run then equals the run that was
