@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -159,6 +160,12 @@ STEPS = {
 # --------------------------------------------------------------------------- layouts
 
 
+def devices(topology: str, num_slices: int = 1) -> int:
+    """How many devices `num_slices` slices of `topology` have (v4 and v5p: a device
+    per TensorCore, two a chip)."""
+    return len(tpu.topology(tpu.TOPOLOGIES[topology], num_slices).devices)
+
+
 def _struct(shape: tuple, mesh: Any, spec: P, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
@@ -222,8 +229,10 @@ def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((h @ params["v"] - y) ** 2)
 
 
-def model_bytes() -> int:
-    return sum(4 * int(jnp.prod(jnp.array(s))) for s in MODEL.values())
+def model_shard_bytes() -> int:
+    """Bytes of one device's shard of the model of `two_slices` (its matrices split 4
+    ways over `data`, its bias whole)."""
+    return sum(4 * int(np.prod(shape)) // (4 if len(shape) == 2 else 1) for shape in MODEL.values())
 
 
 @functools.cache
@@ -282,6 +291,27 @@ def agn_step(form: str, topology: str = "v5e", num_slices: int = 1) -> tpu.Progr
         shardings,
     )
     return _compile(mapped, mesh, args, (0, 1), "agn")
+
+
+@functools.cache
+def sparse_step(rows: int, topology: str = "v5e") -> tpu.Program:
+    """`apply_gradients` of `sparse_conditional_accumulator` on a `rows` x 64 table
+    (replicated on one slice) given 256 row ids a step, a 2,048-slot buffer."""
+    mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("data",))
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(0.1), EVERY, capacity=2048
+    )
+    params = {"table": _struct((rows, 64), mesh, P())}
+    ids = _struct((256,), mesh, P(), jnp.int32)
+    values = _struct((256, 64), mesh, P())
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(tx.init, params)
+
+    def step(params: dict, state: Any, ids: jax.Array, values: jax.Array) -> tuple:
+        grads = {"table": optax_accum.IndexedSlices(ids, values, (rows, 64))}
+        return optax_accum.apply_gradients(tx, grads, state, params)
+
+    return _compile(step, mesh, (params, state, ids, values), (0, 1), "sparse")
 
 
 # --------------------------------------------------------------------------- the report
