@@ -14,6 +14,11 @@ from optax_accum.checkpoint import from_checkpoint, to_checkpoint
 from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
 from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
 from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify, sparse_sgd
+from optax_accum.recorded_norm import (
+    RecordGlobalNormState,
+    record_global_norm,
+    recorded_global_norm,
+)
 from optax_accum.sharding import replica_group_mesh, state_partition_specs, state_shardings
 from optax_accum.sparse import (
     DenseRows,
@@ -81,6 +86,7 @@ __all__ = [
     "DropStaleGradientsState",
     "IndexedSlices",
     "NNXOptimizer",
+    "RecordGlobalNormState",
     "RowBuffer",
     "SparseConditionalAccumulator",
     "SparseConditionalAccumulatorState",
@@ -101,6 +107,8 @@ __all__ = [
     "has_updated",
     "keep_reduction_axes",
     "num_accumulated",
+    "record_global_norm",
+    "recorded_global_norm",
     "replica_group_mesh",
     "set_global_step",
     "sparse_conditional_accumulator",

@@ -23,6 +23,7 @@ BUILT_BY_INIT = {
     "ConditionalAccumulatorState",
     "DenseRows",
     "DropStaleGradientsState",
+    "RecordGlobalNormState",
     "RowBuffer",
     "SparseConditionalAccumulatorState",
 }

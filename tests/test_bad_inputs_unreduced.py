@@ -1,5 +1,5 @@
-"""Malformed calls to as_reduced, unreduced_grad, unreduced_value_and_grad and
-keep_reduction_axes get a clear error.
+"""Malformed calls to as_reduced, unreduced_grad, unreduced_value_and_grad,
+keep_reduction_axes, and record_global_norm on unreduced updates get a clear error.
 
 Each entry of BAD is one malformed call; tests/_bad_inputs.py says what a clear error
 is and holds the fixtures every table shares.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from _bad_inputs import Bad, check, ids
 from jax.sharding import PartitionSpec as P
@@ -127,6 +128,14 @@ def _bool_aux():
         jax.jit(fn).trace({"w": jnp.zeros(3)}, _batch())
 
 
+def _record_unreduced_updates():
+    tx = optax.chain(optax_accum.record_global_norm(), optax.sgd(0.1))
+    with jax.set_mesh(_explicit_mesh()):
+        params = optax_accum.as_reduced({"w": jnp.zeros(3)}, "data")
+        grads = jax.eval_shape(optax_accum.unreduced_grad(_loss, "data"), params, _batch())
+        jax.jit(tx.update).trace(grads, tx.init(params), params)
+
+
 def _typed_like_rules(spec):
     """`keep_reduction_axes` of `spec` for a param typed reduced over "data"."""
     with jax.set_mesh(_explicit_mesh()):
@@ -182,6 +191,13 @@ BAD += [
         lambda: _typed_like_rules({"w": P(), "b": P()}),
         ValueError,
         r"specs must have one spec per leaf of like",
+    ),
+    Bad(
+        "record_global_norm/updates typed unreduced",
+        _record_unreduced_updates,
+        TypeError,
+        r"record_global_norm needs summed updates, but updates\['w'\] is typed unreduced "
+        r"over \['data'\].*Put it inside an accumulator",
     ),
 ]
 
