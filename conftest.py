@@ -21,6 +21,12 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
+# The test extra installs libtpu (the TPU compiler, for tests/test_tpu_compiled.py, which
+# compiles for TPU topologies without a TPU). The tests run on the CPU: without this, JAX
+# would try to start a TPU in every test process (and those the tests start), logging
+# that it found none.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 # Ray (tests/test_ray*.py): the test cluster listens on the loopback address only. Ray
 # 2.60 maps 127.0.0.1 to the machine's address unless this is off; it is read when ray
 # is imported, and the cluster's workers inherit it.

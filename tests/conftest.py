@@ -67,3 +67,14 @@ def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
     """A pool of 16 threads for the host accumulator tests, shut down after the test."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=16) as executor:
         yield executor
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """When the tests that compile for TPU (tests/test_tpu_compiled.py and the TPU halves
+    of test_tpu_reader.py and test_embedding_scan.py) were skipped, why: said once, at
+    the end of the run (where `-q` still prints)."""
+    from optax_accum.demo import tpu
+
+    reason = tpu.unavailable()
+    if reason:
+        terminalreporter.write_line(f"TPU compile tests skipped: {reason}")
