@@ -11,31 +11,29 @@ trace of the CPU form. docs/design.md has the measurements behind it.
 
 The branch body is traced once (`jax.make_jaxpr`) and both forms evaluate that
 jaxpr, so nesting optax_accum transforms traces the innermost optimizer once per
-level rather than once per form.
+level rather than once per form. Everything a body reads comes in as an argument:
+the state it updates and the params (`fn(state, params)`), which the fused train step
+carries through the branch (`apply=True`), so the body reads them from the carry.
 
 `release_if` is `update_if` for a release that consumes a sum, which its caller then
 resets lazily (the next step adds to zeros): the released updates travel in the sum's
-own buffers and come out as `where(pred, sum, 0)`, so a held step needs no temporary
-for its zero updates and the selection fuses into the caller's `apply_updates`.
+own buffers and come out as a `_protocol.Selection`, `where(pred, sum, 0)`, so a held
+step needs no temporary for its zero updates and the selection fuses into the caller's
+`apply_updates`.
 
-A branch body that returns such selected updates unchanged (an accumulator inside
-`drop_stale_gradients`, or inside another accumulator) does not select them itself:
-its branch carries the inner predicate instead and selects once, after it ends, so a
-nest of transforms costs one selection per leaf, not one per level (docs/design.md).
-
-`update_if` is also where `apply_gradients` fuses the step: while a
-`_fused.fused_apply` is active, an `update_if` called with the caller's very `params`
-applies its updates to them inside the branch, so a step that releases nothing leaves
-the parameters untouched.
+A body may return its updates as a `Selection` of buffers in the state it returns (an
+accumulator inside `drop_stale_gradients`, or inside another accumulator, asked with
+`_protocol.Call(defer=True)`): the branch then carries the selection's predicate
+instead of the updates, and returns the selection, read from its own operand, for the
+caller to make after it (or to pass on). A nest of transforms costs one selection per
+leaf, not one per level (docs/design.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -43,95 +41,34 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from optax_accum import _compat, _fused, _sums
-
-# --------------------------------------------------------------------------- selections
-#
-# Updates made as `where(pred, buffer, 0)` by a branch, while the body of an enclosing
-# branch is traced, are recorded (by identity) in that body's `_Selections`, so that
-# `_Traced.of` can tell when the body returns them unchanged.
-
-
-class _Selected(NamedTuple):
-    """A body's updates are `where(pred, new_carry[i], 0)` cast to `dtypes[k]`, leaf k
-    of the updates taken from leaf `sources[k]` of the carry the body returns."""
-
-    pred: Any
-    sources: tuple[int, ...]
-    dtypes: tuple[Any, ...]
-    treedef: Any
-
-
-@dataclasses.dataclass
-class _Selections:
-    made: dict[int, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
-
-    def of(self, updates: Any, new_carry: Any) -> _Selected | None:
-        """How `updates` were selected from leaves of `new_carry`, when every leaf was
-        selected by one and the same predicate; None otherwise."""
-        leaves, treedef = jax.tree.flatten(updates)
-        made = [self.made.get(id(u)) for u in leaves]
-        if not leaves or any(m is None or m[0] is not u for m, u in zip(made, leaves, strict=True)):
-            return None
-        pred = made[0][1]
-        where = {id(x): i for i, x in reversed(list(enumerate(jax.tree.leaves(new_carry))))}
-        sources = [where.get(id(m[2])) for m in made]
-        if any(m[1] is not pred for m in made) or None in sources:
-            return None
-        return _Selected(pred, tuple(sources), tuple(u.dtype for u in leaves), treedef)
-
-
-_SELECTIONS: contextvars.ContextVar[_Selections | None] = contextvars.ContextVar(
-    "_SELECTIONS", default=None
-)
-
-
-@contextlib.contextmanager
-def _recording(on: bool) -> Iterator[_Selections | None]:
-    """A fresh record of selections while a body is traced (None when `on` is False)."""
-    selections = _Selections() if on else None
-    token = _SELECTIONS.set(selections)
-    try:
-        yield selections
-    finally:
-        _SELECTIONS.reset(token)
-
-
-def _selected(pred: jax.Array, buffers: list, dtypes: Any, treedef: Any) -> Any:
-    """The tree `treedef` of `where(pred, buffer, 0)`, leaf for leaf, cast to `dtypes`,
-    recorded for an enclosing body (see `_Traced.of`)."""
-    out = [_sums.zeros_unless(pred, b).astype(d) for b, d in zip(buffers, dtypes, strict=True)]
-    selections = _SELECTIONS.get()
-    if selections is not None:
-        for u, b in zip(out, buffers, strict=True):
-            if _compat.varying_axes(pred) <= _compat.varying_axes(b):
-                selections.made[id(u)] = (u, pred, b)
-    return treedef.unflatten(out)
-
+from optax_accum import _compat
+from optax_accum._protocol import Selection
+from optax_accum.indexed_slices import apply_updates
 
 # --------------------------------------------------------------------------- tracing
+
+
+def _deferrable(selection: Selection, new_carry: Any) -> bool:
+    """Whether a body's `selection` can be made after its branch: its predicate varies
+    over no mesh axis that one of its buffers does not (under `jax.shard_map`)."""
+    axes = _compat.varying_axes(selection.pred)
+    return all(axes <= _compat.varying_axes(b) for b in jax.tree.leaves(selection.take(new_carry)))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Traced:
     """`fn` traced once: callable on a carry, with the traced consts as operands.
 
-    `shared` lists consts that are leaves of the params carried in `carry[1]` (the
-    fused train step), as (const position, params leaf): those are read from the
-    carry rather than passed again, or the branch would get one buffer twice, once to
-    read and once to update, and XLA would copy it.
-
-    `selected` is set when `fn`'s updates were selected from leaves of its new carry by
-    a branch inside it (see `of`): the traced function then returns that branch's
-    predicate in their place, and the caller selects them after its own branch.
+    `selected` is set when `fn` returned its updates as a `Selection` of buffers in its
+    new carry (see `of`): the traced function returns the selection's predicate in
+    their place, and `selected` keeps how to read the buffers and the updates' types.
     """
 
     closed: ClosedJaxpr
     out_tree: Any
     out_shapes: Any
     in_shapes: Any
-    shared: tuple[tuple[int, int], ...] = ()
-    selected: _Selected | None = None
+    selected: tuple[Callable[[Any], Any], Any] | None = None
 
     @classmethod
     def of(cls, fn: Callable, carry: Any, *, defer: bool = False) -> _Traced:
@@ -144,17 +81,21 @@ class _Traced:
         again, each such leaf typed as varying, until the types hold still; callers
         pass the operand through `in_shapes` (`_run_if` does).
 
-        With `defer`, updates that `fn` returns exactly as a branch inside it selected
-        them (`where(pred, buffer, 0)`, the buffer a leaf of its new carry) are
-        replaced by that `pred`, and `selected` says where they come from.
+        Updates that `fn` returns as a `Selection` are kept as one (their predicate in
+        their place) when `defer` allows it and `_deferrable`; otherwise they are made
+        inside the body.
         """
-        found: list[_Selected | None] = [None]
+        found: list[tuple[Callable[[Any], Any], Any] | None] = [None]
 
         def deferring(carry: Any) -> Any:
-            with _recording(defer) as selections:
-                updates, new = fn(carry)
-            found[0] = None if selections is None else selections.of(updates, new)
-            return (updates, new) if found[0] is None else (found[0].pred, new)
+            updates, new = fn(carry)
+            found[0] = None
+            if isinstance(updates, Selection):
+                if not (defer and _deferrable(updates, new)):
+                    return updates.made(new), new
+                found[0] = (updates.take, updates.like)
+                return updates.pred, new
+            return updates, new
 
         # One jit call: both forms then bind it as one equation that refers to the body,
         # rather than binding each of its equations again (trace time; XLA inlines it).
@@ -169,31 +110,14 @@ class _Traced:
                 break
             carry = _varying_as(carry, out[1])
         in_shapes = jax.tree.structure(carry).unflatten(closed.in_avals)
-        selected = found[0] and found[0]._replace(pred=None)  # keep no tracer
-        return cls(closed, out_tree, out, in_shapes, selected=selected)
-
-    def reading_params_from_carry(self, params: Any) -> _Traced:
-        # By identity (both objects stay alive here); the first leaf wins a repeat.
-        leaf_of = {id(leaf): j for j, leaf in reversed(list(enumerate(jax.tree.leaves(params))))}
-        shared = tuple(
-            (i, leaf_of[id(const)])
-            for i, const in enumerate(self.closed.consts)
-            if id(const) in leaf_of
-        )
-        return dataclasses.replace(self, shared=shared)
+        return cls(closed, out_tree, out, in_shapes, selected=found[0])
 
     @property
     def consts(self) -> list:
-        skip = {i for i, _ in self.shared}
-        return [c for i, c in enumerate(self.closed.consts) if i not in skip]
+        return list(self.closed.consts)
 
     def __call__(self, consts: list, carry: Any) -> Any:
-        consts = list(consts)
-        if self.shared:
-            params = jax.tree.leaves(carry[1])
-            for i, j in self.shared:  # ascending positions: each lands where it was
-                consts.insert(i, params[j])
-        run = jaxpr_as_fun(ClosedJaxpr(self.closed.jaxpr, consts))
+        run = jaxpr_as_fun(ClosedJaxpr(self.closed.jaxpr, list(consts)))
         return self.out_tree.unflatten(run(*jax.tree.leaves(carry)))
 
 
@@ -368,8 +292,8 @@ def _run_if(pred: jax.Array, traced: _Traced | _Spending, operand: Any, held: Ca
     """`traced(operand)` if `pred`, else `(held(...), operand)`, in the form the
     backend runs best (chosen when the program is lowered for it).
 
-    When `traced.selected`, the body's updates are selected after the branch from the
-    carry it returns: a held step carries a False predicate and no updates."""
+    When `traced.selected`, the body's updates come back as a `Selection` of the
+    operand the branch returns: a held step carries a False predicate and no updates."""
     selected = traced.selected
     if selected is not None:
         held = lambda salted: jnp.zeros((), jnp.bool_)  # noqa: E731
@@ -384,9 +308,8 @@ def _run_if(pred: jax.Array, traced: _Traced | _Spending, operand: Any, held: Ca
     )
     if selected is None:
         return first, operand
-    leaves = jax.tree.leaves(operand)
-    buffers = [leaves[i] for i in selected.sources]
-    return _selected(first, buffers, selected.dtypes, selected.treedef), operand
+    take, like = selected
+    return Selection(first, take, like), operand
 
 
 # --------------------------------------------------------------------------- zeros
@@ -426,6 +349,15 @@ def unmerged_zeros(like: Any, salt: jax.Array) -> Any:
 # --------------------------------------------------------------------------- public helpers
 
 
+class Branched(NamedTuple):
+    """What a branch gives back: the updates (or a `Selection` of `state`'s buffers),
+    the state, and the params when the branch applied the updates to them (else None)."""
+
+    updates: Any
+    state: Any
+    params: Any = None
+
+
 def apply_if(pred: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
     """`fn(carry)` when `pred` holds, else `carry`, updated in place on the CPU.
 
@@ -458,74 +390,82 @@ def _held_zeros(traced: _Traced, salt: jax.Array, held: Callable | None = None) 
 
 def update_if(
     pred: jax.Array,
-    fn: Callable[[Any], tuple[Any, Any]],
+    fn: Callable[[Any, Any], tuple[Any, Any]],
     state: Any,
+    params: Any,
     *,
     salt: jax.Array,
-    params: Any = None,
+    apply: bool = False,
+    defer: bool = False,
     held: Callable[[Any], Any] | None = None,
-) -> tuple[Any, Any]:
-    """`fn(state)` (a pair `(updates, new_state)`) when `pred` holds, else
+) -> Branched:
+    """`fn(state, params)` (a pair `(updates, new_state)`) when `pred` holds, else
     `(zeros, state)`, with the zeros shaped like the updates `fn` would return.
 
     `new_state` is cast back to `state`'s dtypes, so an inner optimizer whose state
     changes dtype with mixed-precision gradients keeps a fixed state. `salt` is a
     replicated int32 scalar (a counter) for `unmerged_zeros` on the CPU. `held` maps
-    the zero updates to what a held step returns (e.g. padding row ids). When `params`
-    is the very object an active `_fused.fused_apply` was given, the branch also applies
-    the updates to it (see `_fused`).
+    the zero updates to what a held step returns (e.g. padding row ids).
+
+    With `apply`, the params travel through the branch and the updates are applied to
+    them inside it (`Branched.params`): a held step reads and writes no parameter. With
+    `defer` (and no `held`), updates that `fn` returns as a `Selection` of its new
+    state come back as a `Selection` of the returned state.
     """
-    sink = _fused.sink_for(params)
-    if sink is not None:
-        operand = (state, params)
-        traced = _Traced.of(_fused.with_params(fn), operand)
-        traced = traced.reading_params_from_carry(params)
-    else:
-        operand = state
-        traced = _Traced.of(fn, operand, defer=held is None)
-    updates, operand = _run_if(pred, traced, operand, _held_zeros(traced, salt, held))
-    if sink is None:
-        return updates, operand
-    state, new_params = operand
-    sink.record(updates, new_params)
-    return updates, state
+    if apply:
+
+        def applying(operand: tuple) -> tuple:
+            state, params = operand
+            updates, state = fn(state, params)
+            return updates, (state, apply_updates(params, updates))
+
+        traced = _Traced.of(applying, (state, params))
+        updates, (state, params) = _run_if(
+            pred, traced, (state, params), _held_zeros(traced, salt, held)
+        )
+        return Branched(updates, state, params)
+    traced = _Traced.of(lambda s: fn(s, params), state, defer=defer and held is None)
+    updates, state = _run_if(pred, traced, state, _held_zeros(traced, salt, held))
+    return Branched(updates, state)
 
 
 def release_if(
     pred: jax.Array,
-    fn: Callable[[Any, Any], tuple[Any, Any]],
+    fn: Callable[[Any, Any, Any], tuple[Any, Any]],
     kept: Any,
     spent: Any,
+    params: Any,
     *,
     salt: jax.Array,
-    params: Any = None,
-) -> tuple[Any, Any, Any]:
+    apply: bool = False,
+) -> Branched:
     """`update_if` for a release that consumes `spent` (a sum of gradients), which the
-    caller resets lazily: `fn(kept, spent)` returns `(updates, new_kept)`, and the result
-    is `(updates, new_kept, spent_after)`, or `(zeros, kept, spent)` when `pred` does
+    caller resets lazily: `fn(kept, spent, params)` returns `(updates, new_kept)`, and
+    the result's state is `(new_kept, spent_after)`, or `(kept, spent)` when `pred` does
     not hold.
 
     After a release `spent_after` holds no meaningful values (mostly the updates, which
     travel in its buffers: see `_Spending`); the caller treats it as zeros from then on
-    (`_sums.restarted`), so no step spends a pass over it on writing zeros.
+    (`_sums.restarted`), so no step spends a pass over it on writing zeros. The updates
+    come back as a `Selection` of the returned state where they can (always, unless
+    `apply`): the caller makes them, or passes the selection on.
     """
 
-    def whole(operand: tuple) -> tuple:
+    def whole(operand: tuple, params: Any) -> tuple:
         kept, spent = operand
-        updates, kept = fn(kept, spent)
+        updates, kept = fn(kept, spent, params)
+        if isinstance(updates, Selection):  # of `kept`, read from the operand
+            updates = updates.within(lambda operand: operand[0])
         return updates, (kept, spent)
 
-    if _fused.sink_for(params) is not None:  # the fused step carries the params instead
-        updates, (kept, spent) = update_if(pred, whole, (kept, spent), salt=salt, params=params)
-        return updates, kept, spent
-    traced = _Traced.of(whole, (kept, spent), defer=True)
+    if apply:  # the params travel through the branch instead
+        return update_if(pred, whole, (kept, spent), params, salt=salt, apply=True)
+    traced = _Traced.of(lambda operand: whole(operand, params), (kept, spent), defer=True)
     if traced.selected is None and _can_spend(pred, traced.out_shapes[0], traced.in_shapes[1]):
-        _, (kept, x) = _run_if(pred, _Spending(traced), (kept, spent), lambda salted: ())
-        updates, treedef = jax.tree.flatten(traced.out_shapes[0])
-        dtypes = tuple(u.dtype for u in updates)
-        return _selected(pred, jax.tree.leaves(x), dtypes, treedef), kept, x
-    updates, (kept, spent) = _run_if(pred, traced, (kept, spent), _held_zeros(traced, salt))
-    return updates, kept, spent
+        _, operand = _run_if(pred, _Spending(traced), (kept, spent), lambda salted: ())
+        return Branched(Selection(pred, lambda operand: operand[1], traced.out_shapes[0]), operand)
+    updates, operand = _run_if(pred, traced, (kept, spent), _held_zeros(traced, salt))
+    return Branched(updates, operand)
 
 
-__all__ = ["apply_if", "release_if", "unmerged_zeros", "update_if"]
+__all__ = ["Branched", "apply_if", "release_if", "unmerged_zeros", "update_if"]

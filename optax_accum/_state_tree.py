@@ -15,39 +15,45 @@ def _is_namedtuple(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
-def _children(node: Any) -> list[Any]:
-    """The children of a container node that may hold a state."""
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """The (key, child) pairs of a container node that may hold a state."""
     if isinstance(node, dict):
-        return list(node.values())
+        return list(node.items())
     if _is_namedtuple(node):
-        return [getattr(node, f) for f in node._fields]
+        return [(f, getattr(node, f)) for f in node._fields]
     if isinstance(node, list | tuple):
-        return list(node)
+        return list(enumerate(node))
     return []
+
+
+def locate(node: Any, types: type | tuple[type, ...]) -> tuple[tuple, Any] | None:
+    """`(path, found)`: the outermost node of `node` that is an instance of `types`
+    (breadth first) and the keys that lead to it; None if there is none."""
+    frontier: list[tuple[tuple, Any]] = [((), node)]
+    while frontier:
+        nxt = []
+        for path, n in frontier:
+            if isinstance(n, types):
+                return path, n
+            nxt.extend(((*path, key), child) for key, child in _children(n))
+        frontier = nxt
+    return None
 
 
 def find(node: Any, types: type | tuple[type, ...]) -> Any | None:
     """The outermost node of `node` that is an instance of `types` (breadth first), or
     None."""
-    frontier = [node]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            if isinstance(n, types):
-                return n
-            nxt.extend(_children(n))
-        frontier = nxt
-    return None
+    located = locate(node, types)
+    return None if located is None else located[1]
 
 
-def replace(node: Any, target: Any, new: Any) -> Any:
-    """`node` with the object `target` (found by identity) replaced by `new`."""
-    if node is target:
+def replace(node: Any, path: tuple, new: Any) -> Any:
+    """`node` with the node at `path` (the keys `locate` gives) replaced by `new`."""
+    if not path:
         return new
+    key, rest = path[0], path[1:]
     if isinstance(node, dict):
-        return type(node)((k, replace(v, target, new)) for k, v in node.items())
+        return type(node)((k, replace(v, rest, new) if k == key else v) for k, v in node.items())
     if _is_namedtuple(node):
-        return node._replace(**{f: replace(getattr(node, f), target, new) for f in node._fields})
-    if isinstance(node, list | tuple):
-        return type(node)(replace(v, target, new) for v in node)
-    return node
+        return node._replace(**{key: replace(getattr(node, key), rest, new)})
+    return type(node)(replace(v, rest, new) if i == key else v for i, v in enumerate(node))

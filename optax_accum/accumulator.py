@@ -16,7 +16,16 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _gate, _sums, _unreduced
+from optax_accum import (
+    _branch,
+    _checks,
+    _counters,
+    _extra_args,
+    _gate,
+    _protocol,
+    _sums,
+    _unreduced,
+)
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -175,7 +184,7 @@ def conditional_accumulator(
       >>> u
       Array([-2.5, -3.5], dtype=float32)
     """
-    inner = _extra_args.forward_to("inner", inner)
+    inner = _checks.require_transformation("inner", inner)
     required = _counters.num_required_fn(num_required)
     mean = _checks.canonical_reduction(reduction) == "mean"
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
@@ -198,26 +207,25 @@ def conditional_accumulator(
             inner_state=inner.init(_unreduced.plain(params)),
         )
 
-    def update_fn(
+    def step(
         updates: optax.Updates,
         state: ConditionalAccumulatorState,
-        params: optax.Params | None = None,
+        params: optax.Params | None,
+        call: _protocol.Call,
         *,
         local_step: Any = None,
         weight: Any = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, ConditionalAccumulatorState]:
-        verdict = _gate.take()  # a wrapper's acceptance (drop_stale_gradients), if any
+    ) -> _protocol.Result:
         _checks.require_state(state, ConditionalAccumulatorState)
-        _extra_args.warn_misspelled(extra_args)
+        if not call.checked:
+            _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.accumulator, what="updates")
         _unreduced.check_sum_types(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
-        if weight is not None:
-            _extra_args.read_weight()
         w, weight_ok = _sums.weight_or_none(weight)
         judged = _gate.judged(
-            verdict,
+            call.verdict,
             fresh=step >= state.global_step,
             finite=_sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True),
             weight_ok=weight_ok,
@@ -247,11 +255,14 @@ def conditional_accumulator(
             state.accumulator,
             updates,
         )
+        # Updates typed reduced (reduced params) are made in the release, not selected
+        # after it from the inner's plain buffers.
+        retyped = any(_unreduced.unreduced_axes(a) for a in jax.tree.leaves(accumulator))
 
         # A held step is the addition above, in place, and passes the inner state and
         # the sum on untouched; the release feeds the sum to `inner`, and the next step
         # restarts the sum (see _branch).
-        def release(inner_state, accumulator):
+        def release(inner_state, accumulator, params):
             # An unreduced sum (under jit) is reduced here, once a window; the inner
             # optimizer runs on plain values, its updates typed as the params are.
             total = jax.tree.map(_unreduced.reduced_sum, accumulator)
@@ -261,15 +272,18 @@ def conditional_accumulator(
                 divide = _sums.mean_divider(weight_sum, jax.tree.leaves(total))
                 total = jax.tree.map(divide, total)
             aggregate = optax.tree.cast_like(total, updates)
-            plain_params = _unreduced.plain(params)
-            new_updates, inner_state = inner.update(
-                aggregate, inner_state, plain_params, **extra_args
+            inner_call = _protocol.Call(defer=not (call.apply or retyped))
+            result = _protocol.call_inner(
+                inner, aggregate, inner_state, _unreduced.plain(params), inner_call, **extra_args
             )
-            return _unreduced.like_params(new_updates, accumulator), inner_state
+            if result.selection is not None:
+                return result.selection, result.state
+            return _unreduced.like_params(result.updates, accumulator), result.state
 
-        new_updates, inner_state, accumulator = _branch.release_if(
-            emit, release, state.inner_state, accumulator, salt=count, params=params
+        branched = _branch.release_if(
+            emit, release, state.inner_state, accumulator, params, salt=count, apply=call.apply
         )
+        inner_state, accumulator = branched.state
         new_state = ConditionalAccumulatorState(
             global_step=_counters.increment_if(emit, state.global_step),
             count=jnp.where(emit, 0, count),
@@ -281,9 +295,16 @@ def conditional_accumulator(
             accumulator=accumulator,
             inner_state=inner_state,
         )
-        return new_updates, new_state
+        return _protocol.result_of(
+            branched.updates,
+            new_state,
+            call,
+            part=lambda s: (s.inner_state, s.accumulator),
+            params=branched.params,
+            read_weight=weight is not None,
+        )
 
-    return optax.GradientTransformationExtraArgs(init_fn, _gate.marked(update_fn))
+    return _protocol.transformation(init_fn, step, takes_verdict=True)
 
 
 __all__ = ["ConditionalAccumulatorState", "conditional_accumulator"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _sums
+from optax_accum import _branch, _checks, _counters, _extra_args, _protocol, _sums
 
 _COMMITS = ("gradients", "delta")
 
@@ -191,7 +191,7 @@ def agn(
       >>> float(state.centre[0])  # 1 - 0.1 * (1 + 2 + 3) / 3
       0.8
     """
-    inner = _extra_args.forward_to("inner", inner)
+    inner = _checks.require_transformation("inner", inner)
     period = _checks.require_positive_int("communication_period", communication_period)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
     commit = _canonical_commit(commit)
@@ -200,7 +200,6 @@ def agn(
         _checks.require_transformation("outer", outer, optional=True)
     if outer is None:
         outer = optax.sgd(1.0) if delta else inner
-    outer = _extra_args.forward_to("outer", outer)
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
     skip_rule = _checks.require_skip_rule(should_skip_update_fn)
@@ -233,25 +232,30 @@ def agn(
             outer_state=outer.init(params),
         )
 
-    def update_fn(
+    def step(
         updates: optax.Updates,
         state: AGNState,
-        params: optax.Params | None = None,
+        params: optax.Params | None,
+        call: _protocol.Call,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, AGNState]:
+    ) -> _protocol.Result:
         if params is None:
             raise ValueError(
                 "agn needs params: call update(grads, state, params) with this worker's "
                 "current (local) parameters, got params=None"
             )
         _checks.require_state(state, AGNState)
-        _extra_args.warn_misspelled(extra_args)
+        if not call.checked:
+            _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.centre, what="updates")
         _checks.check_tree_matches(params, state.centre, what="params")
         if axis_name is not None:
             _checks.require_bound_axis(axis_name)
 
-        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        local = _protocol.call_inner(
+            inner, updates, state.inner_state, params, _protocol.Call(), **extra_args
+        )
+        local_updates, inner_state = local.updates, local.state
         # Gradients in another dtype than the params may change the dtypes of `inner`'s
         # state (Adam's moments); the state keeps its own, as optax.MultiSteps does.
         inner_state = optax.tree.cast_like(inner_state, state.inner_state)
@@ -296,7 +300,10 @@ def agn(
             if axis_name is not None:
                 pseudo = lax.pmean(pseudo, axis_name)
             pseudo = optax.tree.cast_like(pseudo, centre)
-            outer_updates, outer_state = outer.update(pseudo, outer_state, centre, **extra_args)
+            moved = _protocol.call_inner(
+                outer, pseudo, outer_state, centre, _protocol.Call(), **extra_args
+            )
+            outer_updates, outer_state = moved.updates, moved.state
             centre = optax.apply_updates(centre, outer_updates)
             if skips:  # both rounds' counts in one all-reduce
                 (num_nonfinite, num_skipped), rounds = skipped
@@ -328,11 +335,12 @@ def agn(
             inner_state=inner_state,
             outer_state=outer_state,
         )
-        return new_updates, new_state
+        _protocol.watch_weight(
+            "agn", call, local.read_weight, inner, updates, state.inner_state, params, extra_args
+        )
+        return _protocol.Result(new_updates, new_state, read_weight=local.read_weight)
 
-    return _extra_args.warning_on_unread_weight(
-        "agn", optax.GradientTransformationExtraArgs(init_fn, update_fn)
-    )
+    return _protocol.transformation(init_fn, step)
 
 
 __all__ = ["AGNState", "agn"]

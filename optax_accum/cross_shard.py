@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _collectives, _compat, _extra_args
+from optax_accum import _checks, _collectives, _compat, _extra_args, _protocol
 
 
 def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
@@ -160,13 +160,15 @@ def cross_shard(
         _checks.require_floating_params(params)
         return optax.EmptyState()
 
-    def update_fn(
+    def step(
         updates: optax.Updates,
         state: optax.EmptyState,
-        params: optax.Params | None = None,
+        params: optax.Params | None,
+        call: _protocol.Call,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.EmptyState]:
-        _extra_args.warn_misspelled(extra_args)
+    ) -> _protocol.Result:
+        if not call.checked:
+            _extra_args.warn_misspelled(extra_args)
         del params, extra_args
         _checks.require_bound_axis(axis_name)
         if groups is not None:
@@ -183,9 +185,9 @@ def cross_shard(
         arrays = [jnp.asarray(leaf) for _, leaf in leaves]
         one = lambda x: reduce(x, divisor)  # noqa: E731
         reduced = _packed(one, arrays) if pack else [one(x) for x in arrays]
-        return jax.tree_util.tree_unflatten(treedef, reduced), state
+        return _protocol.Result(jax.tree_util.tree_unflatten(treedef, reduced), state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _protocol.transformation(init_fn, step)
 
 
 def cross_shard_optimizer(
@@ -229,17 +231,54 @@ def cross_shard_optimizer(
              [-2., -3.]], dtype=float32)
     """
     inner = _checks.require_transformation("inner", inner)
-    averaged = optax.chain(
-        cross_shard(
-            axis_name,
-            reduction=reduction,
-            group_assignment=group_assignment,
-            communication_dtype=communication_dtype,
-            pack=pack,
-        ),
-        _extra_args.forward_to("inner", inner),
+    average = cross_shard(
+        axis_name,
+        reduction=reduction,
+        group_assignment=group_assignment,
+        communication_dtype=communication_dtype,
+        pack=pack,
     )
-    return _extra_args.warning_on_unread_weight("cross_shard_optimizer", averaged)
+
+    def init_fn(params: optax.Params) -> tuple:
+        return average.init(params), inner.init(params)
+
+    def step(
+        updates: optax.Updates,
+        state: tuple,
+        params: optax.Params | None,
+        call: _protocol.Call,
+        **extra_args: Any,
+    ) -> _protocol.Result:
+        if not call.checked:
+            _extra_args.warn_misspelled(extra_args)
+        averaged = _protocol.call_inner(
+            average, updates, state[0], params, _protocol.Call(), **extra_args
+        )
+        result = _protocol.call_inner(
+            inner, averaged.updates, state[1], params, call._replace(verdict=None), **extra_args
+        )
+        new_state = (averaged.state, result.state)
+        _protocol.watch_weight(
+            "cross_shard_optimizer",
+            call,
+            result.read_weight,
+            inner,
+            averaged.updates,
+            state[1],
+            params,
+            extra_args,
+        )
+        out = result.updates if result.selection is None else result.selection
+        return _protocol.result_of(
+            out,
+            new_state,
+            call,
+            part=lambda s: s[1],
+            params=result.params,
+            read_weight=result.read_weight,
+        )
+
+    return _protocol.transformation(init_fn, step)
 
 
 __all__ = ["cross_shard", "cross_shard_optimizer"]

@@ -25,6 +25,7 @@ from optax_accum import (
     _dense_rows,
     _extra_args,
     _gate,
+    _protocol,
     _row_buffer,
     _row_ids,
     _sums,
@@ -278,7 +279,7 @@ def sparse_conditional_accumulator(
       >>> u.indices.tolist(), u.values[:2].tolist()
       ([0, 4, 5], [[-2.5, -2.5], [-2.0, -2.0]])
     """
-    inner = _extra_args.forward_to("inner", inner)
+    inner = _checks.require_transformation("inner", inner)
     required = _counters.num_required_fn(num_required)
     capacity = _checks.require_positive_int("capacity", capacity)
     mean = _checks.canonical_reduction(reduction) == "mean"
@@ -309,28 +310,27 @@ def sparse_conditional_accumulator(
             inner_state=inner.init(_unreduced.plain(params)),
         )
 
-    def update_fn(
+    def step(
         updates: optax.Updates,
         state: SparseConditionalAccumulatorState,
-        params: optax.Params | None = None,
+        params: optax.Params | None,
+        call: _protocol.Call,
         *,
         local_step: Any = None,
         weight: Any = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, SparseConditionalAccumulatorState]:
-        verdict = _gate.take()  # a wrapper's acceptance (drop_stale_gradients), if any
+    ) -> _protocol.Result:
         _checks.require_state(state, SparseConditionalAccumulatorState)
-        _extra_args.warn_misspelled(extra_args)
+        if not call.checked:
+            _extra_args.warn_misspelled(extra_args)
         _check_updates(updates, state.accumulator)
         step = _counters.local_step_or(local_step, state.global_step)
-        if weight is not None:
-            _extra_args.read_weight()
         w, weight_ok = _sums.weight_or_none(weight)
         grads = jax.tree.leaves(updates, is_leaf=_is_slices)
         accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
         _check_sum_types(grads, accs)
         judged = _gate.judged(
-            verdict,
+            call.verdict,
             fresh=step >= state.global_step,
             finite=_all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True),
             weight_ok=weight_ok,
@@ -356,23 +356,38 @@ def sparse_conditional_accumulator(
         # the inner state on untouched (see _branch).
         # An unreduced dense sum (under jit) is reduced here, once a window; the inner
         # optimizer runs on plain values, its updates typed as the params are.
-        def release(inner_state):
+        def release(inner_state, params):
             aggregate = _aggregate(accumulator, updates, mean, axis_name)
-            plain_params = _unreduced.plain(params)
-            new_updates, inner_state = inner.update(
-                aggregate, inner_state, plain_params, **extra_args
+            result = _protocol.call_inner(
+                inner,
+                aggregate,
+                inner_state,
+                _unreduced.plain(params),
+                _protocol.Call(),
+                **extra_args,
             )
-            return _like_params(new_updates, accumulator), inner_state
+            return _like_params(result.updates, accumulator), result.state
 
-        new_updates, inner_state = _branch.update_if(
-            emit, release, state.inner_state, salt=count, params=params, held=_as_padding
+        branched = _branch.update_if(
+            emit,
+            release,
+            state.inner_state,
+            params,
+            salt=count,
+            apply=call.apply,
+            held=_as_padding,
         )
         emitted = judged.emitted(emit, state.emitted)
-        return new_updates, _next_state(
-            state, emit, emitted, count, arrived, accumulator, inner_state
+        new_state = _next_state(state, emit, emitted, count, arrived, accumulator, branched.state)
+        return _protocol.result_of(
+            branched.updates,
+            new_state,
+            call,
+            params=branched.params,
+            read_weight=weight is not None,
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, _gate.marked(update_fn))
+    return _protocol.transformation(init_fn, step, takes_verdict=True)
 
 
 # --------------------------------------------------------------------------- update steps

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _gate, _state_tree
+from optax_accum import _branch, _checks, _counters, _extra_args, _protocol, _state_tree
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -155,9 +155,9 @@ def drop_stale_gradients(
       >>> round(float(optax_accum.staleness_percentage(state)), 3)  # 1 / (2 + 1)
       0.333
     """
+    inner = _checks.require_transformation("inner", inner)
     # An optax_accum accumulator takes the verdict itself; anything else runs in a branch.
-    gated = _gate.takes_verdict(inner)
-    inner = _extra_args.forward_to("inner", inner)
+    gated = _protocol.takes_verdict(inner)
     staleness = _check_staleness(staleness)
     axis_name = _checks.require_axis_name("axis_name", axis_name)
 
@@ -171,16 +171,18 @@ def drop_stale_gradients(
             inner_state=inner.init(params),
         )
 
-    def update_fn(
+    def step(
         updates: optax.Updates,
         state: DropStaleGradientsState,
-        params: optax.Params | None = None,
+        params: optax.Params | None,
+        call: _protocol.Call,
         *,
         local_step: Any = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, DropStaleGradientsState]:
+    ) -> _protocol.Result:
         _checks.require_state(state, DropStaleGradientsState)
-        _extra_args.warn_misspelled(extra_args)
+        if not call.checked:
+            _extra_args.warn_misspelled(extra_args)
         step = _counters.local_step_or(local_step, state.global_step)
         accept = _within(_lag(state.global_step, step), staleness)
         if axis_name is not None:
@@ -189,29 +191,65 @@ def drop_stale_gradients(
 
         # A dropped update leaves the inner state as it was (see _branch and _gate).
         if gated:
-            with _gate.passing(accept):
-                new_updates, inner_state = inner.update(
-                    updates, state.inner_state, params, **extra_args
-                )
-        else:
-            new_updates, inner_state = _branch.update_if(
-                accept,
-                lambda inner_state: inner.update(updates, inner_state, params, **extra_args),
+            result = _protocol.call_inner(
+                inner,
+                updates,
                 state.inner_state,
-                salt=state.global_step,
-                params=params,
+                params,
+                call._replace(verdict=accept),
+                **extra_args,
             )
+            out = result.updates if result.selection is None else result.selection
+            inner_state, new_params, read = result.state, result.params, result.read_weight
+        else:
+            reads: list = []
+
+            def run(inner_state, params):
+                inner_call = _protocol.Call(defer=not call.apply)
+                result = _protocol.call_inner(
+                    inner, updates, inner_state, params, inner_call, **extra_args
+                )
+                reads.append(result.read_weight)
+                out = result.updates if result.selection is None else result.selection
+                return out, result.state
+
+            branched = _branch.update_if(
+                accept,
+                run,
+                state.inner_state,
+                params,
+                salt=state.global_step,
+                apply=call.apply,
+                defer=call.defer,
+            )
+            out, inner_state, new_params = branched
+            read = reads[-1]
         new_state = DropStaleGradientsState(
             global_step=_counters.increment_if(accept, state.global_step),
             num_dropped=_counters.increment_if(~accept, state.num_dropped),
             emitted=accept,
             inner_state=inner_state,
         )
-        return new_updates, new_state
+        _protocol.watch_weight(
+            "drop_stale_gradients",
+            call,
+            read,
+            inner,
+            updates,
+            state.inner_state,
+            params,
+            extra_args,
+        )
+        return _protocol.result_of(
+            out,
+            new_state,
+            call,
+            part=lambda s: s.inner_state,
+            params=new_params,
+            read_weight=read,
+        )
 
-    return _extra_args.warning_on_unread_weight(
-        "drop_stale_gradients", optax.GradientTransformationExtraArgs(init_fn, update_fn)
-    )
+    return _protocol.transformation(init_fn, step)
 
 
 def _find_state(state: Any) -> DropStaleGradientsState:

@@ -36,16 +36,17 @@ _STEP_STATES = (
 )
 
 
-def _step_state(state: Any, field: str) -> Any:
-    """The outermost step state in `state` that has `field`.
+def _step_state(state: Any, field: str, *, located: bool = False) -> Any:
+    """The outermost step state in `state` that has `field` (with `located`, the pair
+    `(path, state)` that `_state_tree.locate` gives).
 
     A wrapper whose state lacks the field is looked through: `num_accumulated` of
     `drop_stale_gradients(conditional_accumulator(...))` is the accumulator's count.
     """
     holders = tuple(t for t in _STEP_STATES if field in t._fields)
-    found = _state_tree.find(state, holders)
+    found = _state_tree.locate(state, holders)
     if found is not None:
-        return found
+        return found if located else found[1]
     outermost = _state_tree.find(state, _STEP_STATES)
     if outermost is None:
         names = ", ".join(t.__name__ for t in _STEP_STATES)
@@ -256,7 +257,7 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     """
     if new_global_step is None:
         raise TypeError("new_global_step must be an integer scalar, got None")
-    found = _step_state(state, "global_step")
+    path, found = _step_state(state, "global_step", located=True)
     old = found.global_step
     batch_shape = tuple(np.shape(old))
     if not batch_shape or np.ndim(new_global_step) == 0:
@@ -267,7 +268,7 @@ def set_global_step(state: Any, new_global_step: Any) -> Any:
     if concrete:
         _warn_if_lowered(np.asarray(new), np.asarray(old))
     new = jnp.broadcast_to(jnp.asarray(new, dtype=np.int32), batch_shape)
-    return _state_tree.replace(state, found, found._replace(global_step=new))
+    return _state_tree.replace(state, path, found._replace(global_step=new))
 
 
 def _batched_steps(steps: Any, batch_shape: tuple[int, ...]) -> Any:

@@ -334,8 +334,12 @@ def test_a_misspelled_extra_argument_warns_once_at_trace_time(transform, name, i
 
 
 def test_a_misspelling_warns_once_through_nested_transforms_and_only_when_traced():
+    """optax_accum transforms nested in one another check the extra arguments once:
+    the outermost warns, the inner ones are called through the step protocol."""
     tx = optax_accum.drop_stale_gradients(
-        _MultiSteps(optax_accum.conditional_accumulator(optax.sgd(1.0), 2), 1, use_grad_mean=False),
+        optax_accum.conditional_accumulator(
+            optax_accum.conditional_accumulator(optax.sgd(1.0), 2), 2
+        ),
         5,
     )
     step = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p, local_steps=0))
@@ -348,19 +352,45 @@ def test_a_misspelling_warns_once_through_nested_transforms_and_only_when_traced
         params, opt_state = step(GRAD, opt_state, params)
 
 
-@pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_a_misspelling_warns_once_per_trace_in_every_wrapper(wrapper):
-    """optax.MultiSteps, outermost, traces the accumulator's update for the step and
-    again under jax.eval_shape (for its skip branch): one warning, not two."""
-    tx = WRAPPERS[wrapper]()
-    step = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p, local_steps=0))
+def _messages(make_step, action: str) -> list[str]:
+    """The warnings one traced step gives under the warning filter `action`."""
     with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        step(GRAD, tx.init(PARAMS), PARAMS)
-    assert [str(w.message).split("?")[0] for w in record] == [
-        "extra argument 'local_steps' is not one optax_accum transforms take: did you mean "
-        "'local_step'"
-    ]
+        warnings.simplefilter(action)
+        make_step()
+    return [str(w.message).split("?")[0] for w in record]
+
+
+MISSPELLED = (
+    "extra argument 'local_steps' is not one optax_accum transforms take: did you mean 'local_step'"
+)
+# Transforms from elsewhere that reach an optax_accum transform, and how many times its
+# update is traced through them in one step: optax.MultiSteps traces it twice (for the
+# step, and under jax.eval_shape for the zeros of its skip branch), so each of those
+# traces warns; drop_stale_gradients around it warns once more.
+THROUGH_OTHERS = {
+    **{name: (make, 2 if name.startswith("MultiSteps") else 1) for name, make in WRAPPERS.items()},
+    "drop_stale_gradients(MultiSteps)": (
+        lambda: optax_accum.drop_stale_gradients(
+            _MultiSteps(optax_accum.conditional_accumulator(optax.sgd(1.0), 2), 1),
+            5,
+        ),
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(THROUGH_OTHERS))
+def test_a_misspelling_is_shown_once_through_transforms_from_elsewhere(wrapper):
+    """An optax_accum transform reached through a transform from elsewhere checks the
+    extra arguments itself, once per trace of its update; every such warning comes from
+    one line, so Python's default warning filter shows it once."""
+    make, traces = THROUGH_OTHERS[wrapper]
+    tx = make()
+    step = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p, local_steps=0))
+    run = lambda: step(GRAD, tx.init(PARAMS), PARAMS)  # noqa: E731
+    assert _messages(run, "always") == [MISSPELLED] * traces
+    step = jax.jit(lambda g, s, p: optax_accum.apply_gradients(tx, g, s, p, local_steps=0))
+    assert _messages(run, "default") == [MISSPELLED]
 
 
 @pytest.mark.parametrize(
@@ -428,15 +458,20 @@ UNWEIGHTED: dict[str, tuple[str, Callable[[], Any], bool]] = {
 
 @pytest.mark.parametrize("case", list(UNWEIGHTED))
 def test_a_weight_nothing_reads_warns_once(case):
+    """The outermost optax_accum transform warns, once per trace of its update (twice
+    under optax.MultiSteps, which traces it twice), always from one line, so Python's
+    default warning filter shows it once."""
     name, make, replicas = UNWEIGHTED[case]
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        params = _weighted_step(make(), replicas=replicas)
-    assert [str(w.message).split(":")[0] for w in record] == [
-        f"extra argument 'weight' reaches {name}, which does not weight gradients, and "
-        "nothing inside it does"
-    ]
-    assert np.all(np.isfinite(params))  # the step still runs, unweighted
+    traces = 2 if case.startswith("MultiSteps") else 1
+    for action, times in (("always", traces), ("default", 1)):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter(action)
+            params = _weighted_step(make(), replicas=replicas)
+        assert [str(w.message).split(":")[0] for w in record] == [
+            f"extra argument 'weight' reaches {name}, which does not weight gradients, and "
+            "nothing inside it does"
+        ] * times
+        assert np.all(np.isfinite(params))  # the step still runs, unweighted
 
 
 def _weighing_acc() -> Any:

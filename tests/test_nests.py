@@ -300,8 +300,8 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
                 inner_state = inner_state[0]  # inside the chain
             trace.append((p, s._replace(inner_state=inner_state)))
     gated, branched = results
-    assert optax_accum._gate.takes_verdict(INNERS[inner]())
-    assert not optax_accum._gate.takes_verdict(optax.chain(INNERS[inner]()))
+    assert optax_accum._protocol.takes_verdict(INNERS[inner]())
+    assert not optax_accum._protocol.takes_verdict(optax.chain(INNERS[inner]()))
     for i, ((p1, s1), (p2, s2)) in enumerate(zip(gated, branched, strict=True)):
         for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
             _assert_close(a, b, f"step {i}")

@@ -22,7 +22,7 @@ import pytest
 from _cases import CASE_IDS, CASES, REPLICAS, Case, first, spent_as_zeros, stack, step_inputs
 
 import optax_accum
-from optax_accum import _fused as fused_module
+from optax_accum import _protocol
 
 STEPS = 7
 
@@ -249,24 +249,30 @@ FUSABLE = [c for c in CASES if c.name.startswith(FUSING)]
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("case", FUSABLE, ids=lambda c: c.name)
-def test_the_release_branch_applies_the_updates_unless_something_follows(case, wrapper):
-    """The fused path is taken for a transform alone, last in a chain and inside
-    inject_hyperparams; a transform after it makes apply_gradients fall back."""
+def test_the_release_branch_applies_the_updates_of_a_transform_given_directly(case, wrapper):
+    """apply_gradients asks an optax_accum transform it is given directly to apply its
+    updates inside its release branch (the step protocol's `Call(apply=True)`); a chain
+    or inject_hyperparams around it hides its step, and the canonical step runs (the
+    matrix above checks that both give the same values)."""
     tx = WRAPPERS[wrapper](case.make("replicas" if case.needs_axis else None))
     found = []
 
     def probe(params, grads):
-        with fused_module.fused_apply(params) as sink:
-            updates, _ = tx.update(grads, tx.init(params), params, **case.extra_args(0))
-        found.append(sink.params_for(updates) is not None)
-        return updates
+        step = _protocol.step_of(tx)
+        if step is None:
+            found.append(False)
+            return None
+        call = _protocol.Call(apply=True)
+        result = step(grads, tx.init(params), params, call, **case.extra_args(0))
+        found.append(result.params is not None)
+        return result.params
 
     if case.needs_axis:
         params = stack([case.params()] * REPLICAS)
         jax.eval_shape(jax.vmap(probe, axis_name="replicas"), params, step_inputs(case, 0, ()))
     else:
         jax.eval_shape(probe, case.params(), step_inputs(case, 0, ()))
-    assert found == [wrapper != "followed_by_scale"]
+    assert found == [wrapper == "alone"]
 
 
 # --------------------------------------------------------------------------- donated steps
