@@ -2,6 +2,7 @@
 
     python -m benchmarks --out DIR            # every benchmark
     python -m benchmarks --quick --out DIR    # tiny sizes: a smoke test, a few minutes
+    python -m benchmarks --gpu --out DIR      # on a GPU lease: what the last GPU run missed
 
 Runs every benchmark registered in `BENCHMARKS` on whatever backend JAX has (on a GPU
 or TPU, with the accelerator sizes too: 268M dense parameters, a 10M x 64 table) and
@@ -90,7 +91,24 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Does `optax_accum.ray`'s accumulator take four worker processes' gradients as fast "
         "as a bare Ray actor that only sums them?",
     ),
+    "data_parallel": Benchmark(
+        "benchmarks.data_parallel",
+        "Data parallel on 8 devices, params `as_reduced`: does one reduction per window "
+        "make the whole train step faster than reducing every step (ours and MultiSteps)?",
+    ),
+    "tpu_compiled": Benchmark(
+        "benchmarks.tpu_compiled",
+        "What does the TPU compiler make of each step (compiled for TPU topologies, not "
+        "run): temporaries, every-step bytes over the floor, collectives and transfers "
+        "between slices, ours beside MultiSteps?",
+    ),
 }
+
+
+# `--gpu`: what the last GPU run (benchmarks/README.md, "On a GPU") missed, within one
+# short lease: the canonical step's temporaries at 268M and every step form's 8M cycle
+# against MultiSteps (dense), and the whole train steps (train_step).
+GPU = ("dense", "train_step")
 
 
 def _progress_bars():
@@ -121,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         help="add the accelerator sizes on the CPU too (about 20 GB of memory)",
     )
     parser.add_argument("--tf-python", help="a Python that can import tensorflow (host.py)")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the GPU lease's command: " + ", ".join(GPU) + " at the accelerator sizes "
+        "(what the last GPU run missed; with --quick it runs anywhere, at tiny sizes)",
+    )
     args = parser.parse_args(argv)
 
     import jax  # after XLA_FLAGS
@@ -128,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     import optax_accum
 
     devices = jax.devices()
+    if args.gpu:
+        if devices[0].platform not in ("gpu", "cuda", "rocm") and not args.quick:
+            parser.error(f"--gpu measures a GPU, but JAX sees {devices[0].platform}")
+        args.only = args.only or list(GPU)
     accelerator = devices[0].platform != "cpu" or args.accelerator_sizes
     progress = _progress_bars()
     scale = _report.Scale(

@@ -316,12 +316,189 @@ def sparse_step(rows: int, topology: str = "v5e") -> tpu.Program:
 
 # --------------------------------------------------------------------------- the report
 
+# What the report compiles: (layout, transform, form) per topology. At 268M params: on
+# every generation `conditional_accumulator` in each step form on the data-parallel
+# mesh; on v5e also every transform in each form with params replicated (the
+# optimizer step alone), the two-slice train steps and the sparse table at two sizes.
+GENERATIONS = ("v5e", "v4", "v5p", "v6e")
+_NOT_NNX = {"sparse_conditional_accumulator"}  # nnx.Optimizer cannot hold its state
+
+
+def _cases(topology: str, quick: bool) -> list[tuple[str, str, str]]:
+    if quick:
+        return [
+            ("data", "conditional_accumulator", "apply_gradients"),
+            ("data", "MultiSteps", "canonical"),
+        ]
+    cases = [("data", "conditional_accumulator", form) for form in FORMS]
+    cases += [("data", "MultiSteps", form) for form in ("canonical", "NNX")]
+    if topology == "v5e":
+        for name in TRANSFORMS:
+            cases += [
+                ("replicated", name, f) for f in FORMS if not (name in _NOT_NNX and f == "NNX")
+            ]
+        cases += [("replicated", "MultiSteps", form) for form in ("canonical", "NNX")]
+    return cases
+
+
+def _figures(program: tpu.Program, base: tpu.Program, size: str) -> dict[str, Any]:
+    tree = tree_bytes(size)
+    held, released = program.held(), program.released()
+    return {
+        "temp_bytes": program.temp_bytes,
+        "temp_vs_multisteps": program.temp_bytes / max(base.temp_bytes, 1),
+        "bytes_vs_floor": program.every_step_bytes / (3 * tree),
+        "held_collectives": len(held),
+        "held_collective_bytes": sum(c.nbytes for c in held),
+        "release_collectives": len(released),
+        "release_collective_bytes": sum(c.nbytes for c in released),
+        "conditionals": program.conditionals,
+    }
+
+
+def _slice_figures(program: tpu.Program) -> dict[str, Any]:
+    sends = [t for t in program.transfers if t.kind == "send"]
+    return {
+        "held_sends": len([t for t in sends if t.every_step]),
+        "held_send_bytes": sum(t.nbytes for t in sends if t.every_step),
+        "release_sends": len([t for t in sends if not t.every_step]),
+        "release_send_bytes": sum(t.nbytes for t in sends if not t.every_step),
+        "temp_bytes": program.temp_bytes,
+    }
+
+
+def measure(quick: bool = False, progress: Any = None) -> dict[str, Any]:
+    """Every figure of the report, by topology."""
+    size = "64K" if quick else "268M"
+    progress = progress or (lambda x, **_: x)
+    results: dict[str, Any] = {"size": size, "topologies": {}}
+    for topology in progress(("v5e",) if quick else GENERATIONS, desc="tpu_compiled"):
+        per: dict[str, Any] = {}
+        for layout, name, form in _cases(topology, quick):
+            program = optimizer_step(name, form, topology, size, layout == "data")
+            base_form = "NNX" if form == "NNX" else "canonical"
+            base = optimizer_step("MultiSteps", base_form, topology, size, layout == "data")
+            per[f"{layout} {name} {form}"] = _figures(program, base, size)
+        results["topologies"][tpu.TOPOLOGIES[topology]] = per
+    slices: dict[str, Any] = {}
+    pairs = (
+        [("conditional_accumulator", "canonical")]
+        if quick
+        else [(n, f) for n in TRANSFORMS for f in FORMS if not (n in _NOT_NNX and f == "NNX")]
+    )
+    for name, form in [*pairs, ("MultiSteps", "canonical")]:
+        slices[f"{name} {form}"] = _slice_figures(two_slices(name, form))
+    results["topologies"][f"{tpu.TOPOLOGIES['v5e']} x 2 slices"] = slices
+    if not quick:
+        results["sparse_table_every_step_bytes"] = {
+            f"{rows:,} x 64": sparse_step(rows).every_step_bytes for rows in (1_000_000, 10_000_000)
+        }
+    return results
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB" if n else "0"
+
+
+def tables(results: dict[str, Any]) -> str:
+    """One markdown table per topology."""
+    lines = [
+        f"Compiled for TPU, not run: {results['size']} float32 params (8 leaves), Adam, "
+        "8 gradients a window. Bytes over the floor: HBM bytes read and written by the ops "
+        "on every step over `acc + g`'s (3 trees). Collectives: count (bytes a device) "
+        "on every step and in the release's branch. `data`: params `as_reduced` over a "
+        "data-parallel mesh of one slice, gradients given unreduced (MultiSteps: plain "
+        "params, reducing them itself); `replicated`: plain params, gradients given.",
+        "",
+    ]
+    for topology, per in results["topologies"].items():
+        lines += [f"### {topology}", ""]
+        if "slices" in topology:
+            lines += [
+                "Whole train step, FSDP over `data`, the sum across slices deferred "
+                "(MultiSteps: `jax.grad` on plain params). Sends to the other slice "
+                "(`xla_megascale_runtime`):",
+                "",
+                "| step | temporaries | sends on every step | sends in the release |",
+                "|---|---|---|---|",
+            ]
+            for case, f in per.items():
+                lines.append(
+                    f"| {case} | {_mb(f['temp_bytes'])} | {f['held_sends']} "
+                    f"({_mb(f['held_send_bytes'])}) | {f['release_sends']} "
+                    f"({_mb(f['release_send_bytes'])}) |"
+                )
+            lines.append("")
+            continue
+        lines += [
+            "| layout, step | temporaries (/ MultiSteps') | bytes over the floor "
+            "| collectives every step | in the release | conditionals |",
+            "|---|---|---|---|---|---|",
+        ]
+        for case, f in per.items():
+            lines.append(
+                f"| {case} | {_mb(f['temp_bytes'])} ({f['temp_vs_multisteps']:.3g}x) "
+                f"| {f['bytes_vs_floor']:.3f} | {f['held_collectives']} "
+                f"({_mb(f['held_collective_bytes'])}) | {f['release_collectives']} "
+                f"({_mb(f['release_collective_bytes'])}) | {f['conditionals']} |"
+            )
+        lines.append("")
+    if "sparse_table_every_step_bytes" in results:
+        lines += ["Sparse accumulator, `apply_gradients`, held step's bytes (256 rows a step):", ""]
+        for case, n in results["sparse_table_every_step_bytes"].items():
+            lines.append(f"- {case} table: {_mb(n)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report_rows(scale: Any) -> tuple[list, dict]:
+    """The figures for `python -m benchmarks` (64K params, v5e only, with
+    `scale.quick`); the tables per topology go to `tpu_compiled.md` beside the report.
+    Without libtpu: no rows, and `details["skipped"]` says why."""
+    import pathlib
+
+    from benchmarks._report import Row
+
+    reason = tpu.unavailable()
+    if reason:  # no figure, and the report says why
+        return [], {"skipped": reason}
+    results = measure(scale.quick, scale.progress)
+    rows = []
+    for topology, per in results["topologies"].items():
+        for case, f in per.items():
+            if "MultiSteps" in case:
+                continue
+            label = f"{topology} {case}"
+            if "slices" in topology:
+                rows.append(
+                    Row.checked(
+                        "tpu_compiled", label, "bytes sent on every step", f["held_send_bytes"],
+                        (0, "max"), unit="B",
+                    )
+                )  # fmt: skip
+                continue
+            limit = 2.1 if case.endswith("canonical") else 1.1
+            rows += [
+                Row.checked("tpu_compiled", label, "temporaries / MultiSteps'",
+                            f["temp_vs_multisteps"], (1.0, "max")),
+                Row.checked("tpu_compiled", label, "every-step bytes / floor",
+                            f["bytes_vs_floor"], (limit, "max")),
+                Row("tpu_compiled", label, "collective bytes on every step",
+                    f["held_collective_bytes"], unit="B"),
+            ]  # fmt: skip
+    out = scale.options.get("out")
+    if out is not None:
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(out) / "tpu_compiled.md").write_text(tables(results) + "\n")
+    return rows, results
+
 
 def main() -> int:
     reason = tpu.unavailable()
     if reason:
         print(reason, file=sys.stderr)
         return 1
+    print(tables(measure("--quick" in sys.argv)))
     return 0
 
 
