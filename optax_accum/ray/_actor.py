@@ -76,7 +76,8 @@ class AccumulatorActor:
         try:
             self._core: ActorCore = core_for(spec)
             if options.checkpoint_dir is not None:
-                self._restore(Log(options.checkpoint_dir, spec, options.shared_name))
+                restarted = ray.get_runtime_context().was_current_actor_reconstructed
+                self._restore(Log(options.checkpoint_dir, spec, options.shared_name, restarted))
         except (ValueError, OSError) as error:
             self._failed = error
 

@@ -38,7 +38,9 @@ from optax_accum.ray._spec import Leaf, Spec
 
 _STATE, _SPEC, _LOCK = "state.json", "spec.json", "lock"
 _PREFIX, _SUFFIX = "grad-", ".pkl"
-_LOCK_WAIT = 10.0  # seconds a restarted actor waits for its predecessor's lock
+# Seconds an actor waits for the lock of a predecessor that is still exiting: one that
+# Ray restarted, and one built right after a kill().
+_LOCK_WAIT = {"restarted": 10.0, "new": 2.0}
 
 
 class Entry(NamedTuple):
@@ -68,11 +70,11 @@ def _write_atomically(path: pathlib.Path, data: bytes) -> None:
 
 class Log:
     """The checkpoint in `directory` (created if missing), for the accumulator named
-    `name` (None: unnamed) of `spec`. Raises ValueError if another live accumulator
-    uses it, or it holds another accumulator's checkpoint; OSError if it cannot be
-    used at all."""
+    `name` (None: unnamed) of `spec`, in an actor Ray `restarted` or a new one.
+    Raises ValueError if another live accumulator uses it, or it holds another
+    accumulator's checkpoint; OSError if it cannot be used at all."""
 
-    def __init__(self, directory: str, spec: Spec, name: str | None) -> None:
+    def __init__(self, directory: str, spec: Spec, name: str | None, restarted: bool) -> None:
         self.directory = pathlib.Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -80,15 +82,15 @@ class Log:
             raise type(error)(
                 f"checkpoint_dir {directory!r} cannot be used as a directory: {error}"
             ) from None
-        self._lock_file = self._lock(name)
+        self._lock_file = self._lock(name, restarted)
         self._check_spec(spec, name)
         self.first = 0  # number of the current batch's first gradient
         self.next = 0  # number of the next accepted gradient
         self.served: dict[str, tuple[int, int, int]] = {}  # client -> (take, first, next)
 
-    def _lock(self, name: str | None) -> Any:
+    def _lock(self, name: str | None, restarted: bool) -> Any:
         lock_file = open(self.directory / _LOCK, "a+")  # noqa: SIM115 (held while alive)
-        deadline = time.monotonic() + _LOCK_WAIT
+        deadline = time.monotonic() + _LOCK_WAIT["restarted" if restarted else "new"]
         while True:
             try:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
