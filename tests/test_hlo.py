@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _compat
-from optax_accum.demo.hlo import count_collectives
+from optax_accum.demo.hlo import count_collectives, replica_groups
 
 
 def _one_every_step_one_in_a_cond() -> jax.stages.Compiled:
@@ -86,3 +86,35 @@ def test_async_pairs_count_once_and_loop_bodies_are_not_every_step():
         Collective("all-gather", 192, False),
         Collective("reduce-scatter", 24, False),
     ]
+
+
+def test_replica_groups_are_read_in_every_form_xla_writes():
+    """A list, an iota (transposed or not), named mesh axes laid over the devices in
+    order or in a `device_ids` order (jax 0.10's XLA:CPU writes that one), none."""
+    forms = {
+        "replica_groups={{0,4},{1,5}}, to_apply=%add": ((0, 4), (1, 5)),
+        "replica_groups=[2,4]<=[8], to_apply=%add": ((0, 1, 2, 3), (4, 5, 6, 7)),
+        "replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add": ((0, 4), (1, 5), (2, 6), (3, 7)),
+        "replica_groups=mesh['slice'=2,'data'=4] {'slice'}, to": ((0, 4), (1, 5), (2, 6), (3, 7)),
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+        "{'axis_0'}, dimensions={0}": ((0, 1, 2, 3), (4, 5, 6, 7)),
+        "to_apply=%add": (),
+    }
+    for line, groups in forms.items():
+        assert replica_groups(line) == groups, line
+
+
+def test_a_collective_says_whether_it_crosses_parts_of_the_mesh():
+    """On a (dp=2, fsdp=4) mesh, a sum over fsdp stays within each dp row, a sum over
+    dp crosses them; each collective's groups come from the compiled program."""
+    mesh = jax.make_mesh((2, 4), ("dp", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def step(x):
+        return lax.psum(x, "fsdp"), lax.psum(2 * x, "dp")
+
+    mapped = jax.shard_map(
+        step, mesh=mesh, in_specs=P(("dp", "fsdp")), out_specs=(P("dp"), P("fsdp"))
+    )
+    found = collectives(jax.jit(mapped).lower(jnp.zeros(8)).compile())
+    row = lambda device: device // 4  # noqa: E731  (devices are numbered in mesh order)
+    assert sorted((len(c.groups[0]), c.crosses(row)) for c in found) == [(2, True), (4, False)]

@@ -96,11 +96,71 @@ class Collective:
       every_step: True when it runs on every call of the program (in the ENTRY
         computation or what that calls unconditionally); False when it sits inside a
         loop body or a conditional branch.
+      groups: its replica groups (`replica_groups`), each a tuple of device numbers;
+        () where the program writes none (the collective spans every device). Not
+        compared: two collectives are equal by their opcode, bytes and place.
     """
 
     opcode: str
     nbytes: int
     every_step: bool
+    groups: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False)
+
+    def crosses(self, part: Callable[[int], object]) -> bool:
+        """Whether it moves data between parts of the mesh: a replica group holds
+        devices of different parts (`part(number)`, for a device's number in the
+        program: its position in the mesh's device list; e.g. `lambda d: d // 4`, the
+        row of a (2, 4) mesh), or no group is written (it spans every device)."""
+        return not self.groups or any(len({part(d) for d in g}) > 1 for g in self.groups)
+
+
+_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+_IOTA_GROUPS = re.compile(r"replica_groups=" + _IOTA)
+_NAMED = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\((\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?)\))?"
+    r"\s*\{([^}]*)\}"
+)
+
+
+def _iota(shape: str, dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list `[shape]<=[dims]T(perm)`: arange over `dims`, transposed by
+    `perm`, reshaped to `shape`."""
+    ids = np.arange(int(np.prod([int(d) for d in dims.split(",")])))
+    ids = ids.reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(d) for d in perm.split(",")])
+    return ids.reshape([int(d) for d in shape.split(",")])
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """The replica groups of a collective's HLO line, each a tuple of device numbers,
+    as XLA writes them: a list (`{{0,4},{1,5}}`), an iota (`[2,4]<=[8]`, with a
+    transpose `T(1,0)`), or over named mesh axes (`mesh['a'=2,'b'=4] {'b'}`, the mesh
+    laid over the devices in order or in the order `device_ids=([2,4]T(1,0))` gives,
+    grouped along the named axes); () where none are written."""
+    listed = _LISTED.search(line)
+    if listed:
+        groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
+        return tuple(tuple(int(i) for i in g.split(",") if i) for g in groups)
+    iota = _IOTA_GROUPS.search(line)
+    if iota:
+        return tuple(tuple(int(i) for i in row) for row in _iota(*iota.groups()))
+    named = _NAMED.search(line)
+    if named is None:
+        return ()
+    axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    ids = np.arange(int(np.prod(sizes)))
+    if named.group(2):  # the devices in the mesh's order: an iota, maybe transposed
+        shape, dims, perm = named.group(3, 4, 5)
+        ids = _iota(str(ids.size), dims or shape, perm)
+    grouped = re.findall(r"'(\w+)'", named.group(6))
+    order = [a for a in names if a not in grouped] + grouped
+    ids = ids.reshape(sizes).transpose([names.index(a) for a in order])
+    size = int(np.prod([sizes[names.index(a)] for a in grouped]))
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
 
 
 def _walk(
@@ -110,10 +170,16 @@ def _walk(
     branches: Callable[[list[list[Collective]]], list[Collective]],
 ) -> list[Collective]:
     found: list[Collective] = []
+    starts: dict[str, str] = {}  # an async start's line, by its name: its groups
     for line in comps.get(name, []):
         match = _INSTRUCTION.search(line)
+        if match and match["phase"] == "-start":
+            starts[line.split("=", 1)[0].strip().removeprefix("ROOT ").strip()] = line
         if match and match["phase"] != "-start":
-            found.append(Collective(match["op"], _bytes(match["shape"]), every_step))
+            operand = re.search(r"-done\((?:\S+\s)?(%[\w.\-]+)", line)
+            source = starts.get(operand.group(1), line) if operand else line
+            collective = Collective(match["op"], _bytes(match["shape"]), every_step)
+            found.append(dataclasses.replace(collective, groups=replica_groups(source)))
         for callee in called(line):
             found += _walk(comps, callee, every_step, branches)
         regions = [_walk(comps, n, False, branches) for n in _gated(line)]
