@@ -230,6 +230,19 @@ def test_one_actor_holds_a_tree_and_takes_it_whole():
     dense.kill(), sparse.kill()
 
 
+def test_the_actor_imports_no_jax():
+    """The actor runs NumPy (`optax_accum` imports its names lazily, and the actor's
+    modules import no JAX): no JAX library is mapped into its process, and it holds
+    little memory besides the Ray worker's own (measured and stated in
+    benchmarks/README.md; a JAX import alone would add about 120 MB)."""
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,))
+    process = psutil.Process(acc._call("pid"))
+    mapped = {m.path for m in process.memory_maps()}
+    assert not [path for path in mapped if "jaxlib" in path or "/jax/" in path]
+    assert process.memory_info().rss < 150 * 2**20
+    acc.kill()
+
+
 # --------------------------------------------------------------------------- sharing and ownership
 
 

@@ -13,12 +13,9 @@ import operator
 import sys
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-SUPPORTED_DTYPES = tuple(
-    np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)
-)
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 Shape = tuple[int | None, ...]
 
@@ -51,14 +48,27 @@ def check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def dtype_named(name: str) -> np.dtype:
+    """The NumPy dtype of a supported dtype's name (bfloat16 is ml_dtypes', imported only
+    when it is asked for: the Ray actor process does without it otherwise)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def check_dtype(dtype: Any) -> np.dtype:
+    if (isinstance(dtype, str) and dtype == "bfloat16") or (
+        getattr(dtype, "__name__", None) == "bfloat16"  # a scalar type: ml_dtypes', jax's
+    ):
+        dtype = dtype_named("bfloat16")
     try:
         dt = None if dtype is None else np.dtype(dtype)  # np.dtype(None) is float64
     except (TypeError, ValueError):  # a dict or a list reads as a structured dtype
         dt = None
-    if dt is None or dt not in SUPPORTED_DTYPES:
-        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
-        raise TypeError(f"dtype must be one of {names}, got {dtype!r}")
+    if dt is None or dt.name not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}")
     return dt
 
 
@@ -182,7 +192,7 @@ def check_weight(weight: Any) -> float | None:
             f"({type(weight).__name__})"
         )
     dtype = np.dtype(weight.dtype) if hasattr(weight, "dtype") else None
-    if dtype is not None and dtype.kind not in "iuf" and dtype != ml_dtypes.bfloat16:
+    if dtype is not None and dtype.kind not in "iuf" and dtype.name != "bfloat16":
         raise TypeError(f"weight must be None or a non-negative real scalar, got dtype {dtype}")
     if np.ndim(weight) != 0:
         raise ValueError(

@@ -72,7 +72,7 @@ class ActorCore(Core):
     `add` and `reduce` on a tuple with one entry per leaf."""
 
     def __init__(self, spec: Spec) -> None:
-        dtypes = tuple(np.dtype(leaf.dtype) for leaf in spec.leaves)
+        dtypes = tuple(_args.dtype_named(leaf.dtype) for leaf in spec.leaves)
         shapes = tuple(leaf.shape for leaf in spec.leaves)
         self.spec = spec
         self.acc_dtypes = tuple(_args.accumulator_dtype(d) for d in dtypes)
