@@ -17,9 +17,10 @@ Figures: the bytes all-reduced per window of 8 steps, read from the compiled pro
 that never releases) of `as_reduced` against `reduced`; a cycle of 8 steps (7 held, 1
 released) against both others. Timings are medians of per-round ratios over
 interleaved rounds after a warm-up round (wall clock, and this process's CPU time: the
-work of all 8 device threads). On simulated CPU devices an all-reduce is a memory copy
-between threads, so the time it saves here is a lower bound of what it saves on a
-network; the bytes carry over as they are.
+work of all 8 device threads). On simulated CPU devices an all-reduce is 8 threads
+copying and adding 32 MB each on the same few cores, far slower next to the step than a
+TPU's interconnect would be, so the time ratios here overstate what a pod gains; the
+bytes carry over as they are (`tpu_compiled.py` reads them from TPU programs).
 
 Run from the repository root: `python -m benchmarks.data_parallel` (`--rounds 3` for a
 quick look, `--quick` for tiny layers: a smoke test whose timings mean nothing).

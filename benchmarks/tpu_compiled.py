@@ -52,7 +52,7 @@ from optax_accum.demo import tpu
 
 LEAVES = 8
 EVERY = 8  # gradients per window
-SIZES = {"64K": (128, 64), "1M": (256, 512), "268M": (4096, 8192)}  # one leaf; 8 leaves
+SIZES = {"64K": (128, 64), "268M": (4096, 8192)}  # one leaf; 8 leaves
 FORMS = ("canonical", "apply_gradients", "TrainState", "NNX")
 TRANSFORMS = ("conditional_accumulator", "sparse_conditional_accumulator", "drop_stale", "nest")
 # The two-layer model of `two_slices`: x @ w + b -> tanh -> @ v.
@@ -272,7 +272,7 @@ def agn_step(form: str, topology: str = "v5e", num_slices: int = 1) -> tpu.Progr
     n = mesh.devices.size
     tx = transform("agn")
     stacked = {
-        k: jax.ShapeDtypeStruct((n, *SIZES["1M"]), jnp.float32) for k in ("layer0", "layer1")
+        k: jax.ShapeDtypeStruct((n, *SIZES["64K"]), jnp.float32) for k in ("layer0", "layer1")
     }
     state = jax.eval_shape(jax.vmap(tx.init), stacked)
 
