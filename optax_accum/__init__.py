@@ -5,6 +5,7 @@ cross-replica averaging with replica subgroups, stale-gradient dropping, and
 communication-saving local SGD (AGN), for one CPU and for a TPU pod alike.
 """
 
+import copyreg
 import importlib
 import importlib.util
 import sys
@@ -140,6 +141,9 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+# Pickled by name, as cloudpickle pickles an importable module (Ray sends a function
+# that reads `optax_accum.` this way); its table of module types knows no subclass.
+copyreg.pickle(_Package, lambda package: (importlib.import_module, (package.__name__,)))
 
 
 __all__ = [

@@ -3,11 +3,24 @@
 `ConditionalAccumulator` and `SparseConditionalAccumulator` here take the in-process
 classes' arguments and methods (`optax_accum.ConditionalAccumulator` and
 `optax_accum.SparseConditionalAccumulator`), plus `namespace=`, `checkpoint_dir=`,
-`max_restarts=` and `lifetime=`. The accumulator lives in a Ray actor, named by
-`shared_name`, that holds one in-process accumulator: as TF's `shared_name` placed one
-accumulator on a parameter server for workers on other machines, every process of
-the cluster that builds a handle with that name reaches the same accumulator. Install
-with `pip install "optax-accum[ray]"`.
+`max_restarts=` and `lifetime=`, and a tree of arrays where those take one. The
+accumulator lives in a Ray actor, named by `shared_name`, that runs the in-process
+objects' own core (their checks, rules and queue of takes), summing in NumPy: the
+actor imports no JAX. As TF's `shared_name` placed one accumulator on a parameter
+server for workers on other machines, every process of the cluster that builds a
+handle with that name reaches the same accumulator. `ParameterBoard` is where a
+chief publishes each step's parameters and workers wait for the next step (TF's sync
+tokens). Install with `pip install "optax-accum[ray]"`.
+
+Who owns it: a named accumulator is a detached actor in the Ray namespace
+"optax_accum", owned by no process: dropping a handle, or killing any worker or the
+chief, loses nothing; it lives until `kill()` (or the cluster's end). A handle never
+starts a second accumulator under a live name: it finds it, and refuses it if its
+kind or its options differ; it warns where another namespace holds the name.
+
+Exactly once: every apply and take carries an identity (the handle in its thread,
+and a number), so a call repeated after an ambiguous failure, by the caller or by Ray
+on a restarted actor, counts once and gets its first answer.
 
 Who can reach it: any process that can join the Ray cluster can reach the
 accumulator, apply gradients to it and take them, and Ray runs whatever code the
@@ -17,25 +30,33 @@ your machines) and keep Ray's token authentication on: `ray.init()` turns it on 
 the local clusters it starts; for `ray start`, set `RAY_AUTH_MODE=token` on every
 machine (never `disabled`), create the token with `ray get-auth-token --generate`, and
 give every node and driver the token (`~/.ray/auth_token` or `RAY_AUTH_TOKEN`). Inside the
-actor, every gradient and step is checked by the in-process object before it touches
-the sum: an array of another dtype or shape, or a `local_step` that is not an int, is
-the in-process TypeError or ValueError, raised in the caller.
+actor, every gradient and step is checked as in-process before it touches the sum:
+an array of another dtype or shape, or a `local_step` that is not an int, is the
+in-process TypeError or ValueError, raised in the caller.
 
 Faults: a worker that dies mid-apply loses nothing already accepted (an apply is
 accepted whole or not at all); a chief that dies while blocked in a take consumes
-nothing (the actor hands a batch over only to a live caller: checked exactly on
-the actor's machine, by a 10 s lease from other machines); if the actor dies, every
-blocked or later call raises `AccumulatorUnavailableError`; with `checkpoint_dir` and
-`max_restarts`, a restarted actor resumes with its global step and pending gradients.
+nothing (the actor hands a batch over only to a live caller: checked exactly on the
+actor's machine, by a lease from other machines, whose lapse the caller is told of);
+if the actor dies, every blocked or later call raises `AccumulatorUnavailableError`;
+with `checkpoint_dir` and `max_restarts`, Ray restarts it, it resumes with its global
+step and pending gradients, and the calls in flight are answered once each.
 
-Modules: `_handle` (what both handles share: the actor, calls, takes), `_dense` and
-`_sparse` (the two handles), `_actor` (the actor: the in-process object and the queue
-of takes), `_callers` (whether a take's caller is alive), `_checkpoint` (the actor's
-checkpoint), `_payload` (how arrays travel).
+Modules: `_handle` (what both handles share: the actor, identities, calls, takes),
+`_dense` and `_sparse` (the two handles), `_payload` (specs, trees, how arrays
+travel), `_actor` (the actor), `_kinds` (its NumPy accumulators on the host core),
+`_callers` (whether a take's caller is alive), `_checkpoint` (the actor's log),
+`_spec` (what an accumulator is, how it was created), `_board` (`ParameterBoard`).
 """
 
+from optax_accum.ray._board import ParameterBoard
 from optax_accum.ray._dense import ConditionalAccumulator
 from optax_accum.ray._handle import AccumulatorUnavailableError
 from optax_accum.ray._sparse import SparseConditionalAccumulator
 
-__all__ = ["AccumulatorUnavailableError", "ConditionalAccumulator", "SparseConditionalAccumulator"]
+__all__ = [
+    "AccumulatorUnavailableError",
+    "ConditionalAccumulator",
+    "ParameterBoard",
+    "SparseConditionalAccumulator",
+]
