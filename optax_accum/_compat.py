@@ -213,6 +213,33 @@ def replicated_under_auto(tree: Any) -> Any:
     return lax.with_sharding_constraint(tree, jax.sharding.PartitionSpec())
 
 
+def replicated(tree: Any) -> Any:
+    """`tree` whole on every device: each leaf that explicit sharding lays out across
+    the mesh resharded to replicated (an all-gather of it), and under auto sharding
+    the constraint of `replicated_under_auto`; unchanged elsewhere (no mesh, or each
+    replica's own values under `jax.shard_map`).
+
+    For small arrays that are looked up by any index (a sparse gradient's row ids and
+    rows): a gather with ids split over a mesh axis has no sharding rule under explicit
+    sharding. Reduced and unreduced axes are kept. The concrete mesh of a placed array
+    is used, so this works eagerly outside `jax.set_mesh` too.
+    """
+
+    def whole(x: Any) -> Any:
+        sharding = explicit_sharding(jax.typeof(x))
+        if sharding is None or all(p is None for p in sharding.spec):
+            return x
+        mesh = sharding.mesh
+        concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        if isinstance(concrete, jax.sharding.NamedSharding):
+            mesh = concrete.mesh
+        sums = {k: getattr(sharding.spec, k, None) for k in ("reduced", "unreduced")}
+        spec = jax.sharding.PartitionSpec(**{k: v for k, v in sums.items() if v})
+        return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+    return replicated_under_auto(jax.tree.map(whole, tree))
+
+
 def leading_axis_sharding(x: Any) -> Any:
     """Under explicit sharding, the sharding of a vector laid out like `x`'s first axis
     (for per-row state of a parameter `x`); None otherwise.
@@ -325,6 +352,7 @@ __all__ = [
     "replicated_under_auto",
     "has_sum_types",
     "require_sum_types",
+    "replicated",
     "retyped",
     "sharding_of",
     "sum_types",

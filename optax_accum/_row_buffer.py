@@ -139,8 +139,9 @@ def offer(
         num_rows = buf.slot_of.shape[0]
         out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, num_rows)
         ids = _row_ids.row_ids(g.indices, num_rows)
-        # The row buffer is replicated, and so is its input.
-        slices.append(_compat.replicated_under_auto((ids, g.values)))
+        # The row buffer is replicated, and so is its input: ids and rows split over a
+        # batch axis are gathered (one all-gather of the step's rows, never the table).
+        slices.append(_compat.replicated((ids, g.values)))
     if axis_name is None:
         stacked = [jax.tree.map(lambda x: x[None], s) for s in slices]
         me, offers, weights = 0, offered[None], None if weight is None else weight[None]

@@ -47,9 +47,16 @@ def zeros_accumulator(param: Any, accumulator_dtype: np.dtype | None = None) -> 
 
 def row_zeros(param: Any, dtype: Any) -> jax.Array:
     """Zeros, one per row (first axis) of `param`, laid out like those rows under
-    explicit sharding."""
+    explicit sharding.
+
+    A placed `param` (not traced) gets them placed on its devices: eagerly outside
+    `jax.set_mesh`, JAX cannot build an array typed on a mesh from a shape alone.
+    """
     rows = jnp.shape(param)[:1]
-    return jnp.zeros(rows, dtype, out_sharding=_compat.leading_axis_sharding(param))
+    sharding = _compat.leading_axis_sharding(param)
+    if sharding is not None and not isinstance(param, jax.core.Tracer):
+        return jnp.zeros(rows, dtype, device=sharding)
+    return jnp.zeros(rows, dtype, out_sharding=sharding)
 
 
 def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -129,8 +136,14 @@ def weighted(values: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Arr
 
 def mean_divisor(weights: jax.Array, dtype: Any) -> jax.Array:
     """The divisor of a weighted mean: the weight sum, or 1 where it is 0 (the sum is
-    then 0 too, so the mean is 0)."""
-    return select(weights > 0, weights, jnp.ones_like(weights)).astype(dtype)
+    then 0 too, so the mean is 0).
+
+    The 1 is a scalar that the selection broadcasts in `weights`' layout: ones built
+    like `weights` (`jnp.ones_like`) come out replicated when `weights` is a placed
+    array that a traced function closes over (an eager release), and a select of two
+    layouts is a type error under explicit sharding.
+    """
+    return jnp.where(weights > 0, weights, jnp.ones((), weights.dtype)).astype(dtype)
 
 
 def mean_divider(weights: jax.Array, leaves: list) -> Callable[[jax.Array], jax.Array]:

@@ -242,6 +242,15 @@ def _scatter_add(target: jax.Array, slices: IndexedSlices) -> jax.Array:
     return target.at[ids].add(values, mode="drop", out_sharding=_compat.sharding_of(target))
 
 
+def _zeros_laid_out_like(param: Any, dtype: Any) -> jax.Array:
+    """Zeros of `param`'s shape in `dtype`, laid out like `param` (under explicit
+    sharding each device builds its own shard, never the whole table) and typed plain
+    (a param typed reduced gives plain zeros: no data moves)."""
+    zeros = jnp.zeros_like(param, dtype=dtype)
+    reduced, unreduced = _compat.sum_types(zeros)
+    return _compat.retyped(zeros, unreduced=unreduced) if reduced else zeros
+
+
 def _check_against(param: Any, slices: IndexedSlices, where: str) -> None:
     """Trace-time check that `slices` is a valid sparse update of `param`."""
     _row_ids.check_indices(slices, what=where)
@@ -343,7 +352,7 @@ def densify() -> optax.GradientTransformationExtraArgs:
         where = f"updates{jax.tree_util.keystr(path)}"
         if p is not None:
             _check_against(p, u, where)
-            return _scatter_add(jnp.zeros(jnp.shape(p), u.values.dtype), u)
+            return _scatter_add(_zeros_laid_out_like(p, u.values.dtype), u)
         _row_ids.check_indices(u, what=where)
         return u.to_dense()
 

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 import pytest
 from _cases import lenient
-from _hlo import every_call, full_size_counts, instructions
+from _hlo import collectives, every_call, full_size_counts, instructions
 from _matrix import pairwise
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -404,3 +404,111 @@ def test_a_mesh_axis_name_under_plain_jit_says_what_to_do(make, mode):
         ) as e:
             step(params, state, params)
     assert re.search(r"jax\.shard_map", str(e.value)), e.value
+
+
+# --------------------------------------------------------------------------- sparse rows
+
+
+def _explicit_mesh() -> jax.sharding.Mesh:
+    return _mesh("explicit")
+
+
+def _split_rows_steps() -> list:
+    """8 steps of row-sparse gradients of a 32-row table: 8 ids a step (a duplicate, a
+    padding id), with a dense bias's gradient."""
+    rng = np.random.default_rng(2)
+    steps = []
+    for _ in range(STEPS):
+        ids = rng.integers(0, 32, size=8).astype(np.int32)
+        ids[5], ids[7] = ids[1], 32
+        steps.append((ids, rng.normal(size=(8, 4)), rng.normal(size=(4,))))
+    return steps
+
+
+def _split_rows_run(mesh):
+    """8 jitted steps of the sparse accumulator on a table sharded over `fsdp`, with the
+    gradient's ids and rows split over `data` (as the rows of a batch split over `data`
+    come from `jax.grad`); one device when `mesh` is None. Returns the params and the
+    compiled step."""
+    tx = optax_accum.sparse_conditional_accumulator(optax_accum.sparse_sgd(0.5), 2, capacity=16)
+
+    def step(params, opt_state, ids, rows, bias):
+        grads = {"emb": optax_accum.IndexedSlices(ids, rows, (32, 4)), "b": bias}
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax_accum.apply_updates(params, updates), opt_state
+
+    rng = np.random.default_rng(3)
+    start = {"emb": rng.normal(size=(32, 4)), "b": rng.normal(size=(4,))}
+    context = contextlib.nullcontext() if mesh is None else _compat.mesh_context(mesh)
+    with context:
+        params = _placed(start, SPARSE_SPECS, mesh)
+        opt_state = tx.init(params)
+        compiled = None
+        for ids, rows, bias in _split_rows_steps():
+            batch = _placed((ids, rows, bias), (P("data"), P("data", None), P()), mesh)
+            args = (params, opt_state, *batch)
+            compiled = compiled or jax.jit(step).lower(*args).compile()
+            params, opt_state = compiled(*args)
+    return params, compiled
+
+
+def test_sparse_rows_split_over_the_batch_axis():
+    """`IndexedSlices` whose ids and rows are split over the batch axis under explicit
+    sharding: the row buffer (replicated) gathers the step's ids and rows, one
+    all-gather of a few hundred bytes and never the table; 8 steps equal one device."""
+    params, compiled = _split_rows_run(_explicit_mesh())
+    want, _ = _split_rows_run(None)
+    _assert_close(params, jax.tree.map(np.asarray, want))
+    # Beside scalars (the count of ids out of range, summed over the split ids).
+    moved = [(c.opcode, c.nbytes) for c in collectives(compiled) if c.every_step and c.nbytes > 8]
+    assert {op for op, _ in moved} <= {"all-gather"}, moved
+    assert sum(n for _, n in moved) <= 8 * 4 + 8 * 4 * 8, moved  # the ids and the rows
+
+
+def test_densify_builds_the_dense_gradient_sharded_like_the_table():
+    """`densify()` on an 8-way sharded table builds each device's shard, not the whole
+    table: the densified gradient is typed like the table, and the sparse accumulator's
+    releasing step (densify, then SGD) holds under 4 shards of temporaries per device
+    (16 shards, 4 MiB, when densify built the table replicated)."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with _compat.mesh_context(mesh), _compat.enable_x64(False):
+        table = jax.device_put(jnp.zeros((8192, 64)), NamedSharding(mesh, P("x")))
+        grads = optax_accum.IndexedSlices(jnp.arange(32), jnp.ones((32, 64)), table.shape)
+        dense, _ = optax_accum.densify().update(grads, optax.EmptyState(), table)
+        assert jax.typeof(dense) == jax.typeof(table)
+        np.testing.assert_array_equal(np.asarray(dense), np.asarray(grads.to_dense()))
+
+        inner = optax.chain(optax_accum.densify(), optax.sgd(0.1))
+        tx = optax_accum.sparse_conditional_accumulator(inner, 1, capacity=64)
+        params = {"emb": table}
+        state = tx.init(params)
+
+        def step(params, state, grads):
+            updates, state = tx.update({"emb": grads}, state, params)
+            return optax_accum.apply_updates(params, updates), state
+
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    shard = table.addressable_shards[0].data.nbytes  # 256 KiB
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    assert temporaries < 4 * shard, (temporaries, shard)
+
+
+def test_sparse_init_outside_set_mesh():
+    """`init` on params placed by hand on an explicit mesh, with no mesh set: each
+    dense leaf's per-row counts are laid out like its rows, and the state is typed as
+    `init` under `jax.set_mesh` types it."""
+    mesh = _explicit_mesh()
+    specs = {"emb": P("fsdp", None), "w": P("fsdp", "data"), "b": P()}
+    rng = np.random.default_rng(4)
+    start = {"emb": rng.normal(size=(32, 4)), "w": rng.normal(size=(8, 4)), "b": np.zeros(4)}
+    params = _placed(start, specs, mesh)
+    tx = optax_accum.sparse_conditional_accumulator(optax_accum.sparse_sgd(0.5), 2, capacity=16)
+    state = tx.init(params)
+    with _compat.mesh_context(mesh):
+        want = tx.init(params)
+    # As jax prints the types: a replicated scalar's has no mesh to name.
+    assert jax.tree.map(lambda x: str(jax.typeof(x)), state) == jax.tree.map(
+        lambda x: str(jax.typeof(x)), want
+    )
+    assert state.accumulator["w"].touches.sharding.spec == P("fsdp")
+    _assert_laid_out_like_params(state, params)
