@@ -114,3 +114,38 @@ class Process:
             grad = gradient(params, seed)
             time.sleep(delay)
             log.append((step, grad, acc.apply_grad(grad, local_step=step)))
+
+    # ----------------------------------------------------------------- the chaos test
+
+    def push(self, acc: Any, first: int, count: int, log_path: str, stop_path: str) -> int:
+        """Sends one-hot gradients `first`, `first + 1`, ... (each names itself in a SUM
+        take), tagged with the step it last read, until `stop_path` exists; logs each
+        answer (`id accepted`) as it comes. Returns how many it sent."""
+        size, step, sent = acc.shape[0], acc.global_step, 0
+        with open(log_path, "a", buffering=1) as log:
+            for k in range(first, first + count):
+                if os.path.exists(stop_path):
+                    break
+                grad = np.zeros(size, np.float32)
+                grad[k] = 1.0
+                accepted = acc.apply_grad(grad, local_step=step)
+                log.write(f"{k} {int(accepted)}\n")
+                sent += 1
+                if not accepted:
+                    step = acc.global_step
+        return sent
+
+    def chief(self, acc: Any, num_required: int, log_path: str, stop_path: str) -> int:
+        """Takes SUMs of `num_required` gradients until `stop_path` exists, logging the
+        ids each take got (`id:times ...`); returns how many takes it logged."""
+        takes = 0
+        with open(log_path, "a", buffering=1) as log:
+            while not os.path.exists(stop_path):
+                try:
+                    taken = np.asarray(acc.take_grad(num_required, timeout=1.0))
+                except TimeoutError:
+                    continue
+                ids = np.flatnonzero(taken)
+                log.write(" ".join(f"{i}:{int(taken[i])}" for i in ids) + "\n")
+                takes += 1
+        return takes

@@ -16,9 +16,11 @@ Every wait is bounded (WAIT), so a bug fails instead of hanging.
 from __future__ import annotations
 
 import _thread
+import collections
 import concurrent.futures
 import gc
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -779,6 +781,102 @@ def test_an_apply_that_cannot_be_logged_is_not_counted(tmp_path):
     assert acc.apply_grad(np.full(2, 3.0, np.float32))
     np.testing.assert_array_equal(np.asarray(acc.take_grad(2, WAIT)), [2.0, 2.0])
     acc.kill()
+
+
+def _stopped(pids, stop):
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
+
+
+def test_chaos_every_accepted_gradient_is_taken_exactly_once(processes, tmp_path):
+    """Four workers and a chief, each its own process, on an accumulator with a
+    checkpoint, while in turn a worker is SIGKILLed, a worker is paused (SIGSTOP, then
+    SIGCONT), the chief is killed while blocked in a take and restarted, and the
+    actor is SIGKILLed and restarted by Ray from its checkpoint. Each gradient is
+    one-hot (SUM takes count each id they got): every gradient a worker saw accepted
+    is taken exactly once, none it saw dropped is taken, one in flight when its worker
+    died at most once, and every wait ends."""
+    size, per_worker = 4096, 1024
+    acc = oray.ConditionalAccumulator(
+        np.float32,
+        (size,),
+        "chaos",
+        reduction_type="SUM",
+        checkpoint_dir=tmp_path / "ckpt",
+        max_restarts=-1,
+    )
+    stop, chief_log = str(tmp_path / "stop"), str(tmp_path / "chief")
+    killed = Process.remote()
+    workers = [killed, *processes[1:4]]
+    pids = ray.get([w.pid.remote() for w in workers])
+    logs = [str(tmp_path / f"worker-{i}") for i in range(4)]
+    pushing = [
+        w.push.remote(acc, i * per_worker, per_worker, logs[i], stop) for i, w in enumerate(workers)
+    ]
+    chief = Process.remote()
+    chiefs = [chief.chief.remote(acc, 2, chief_log, stop)]
+
+    def takes():
+        return (
+            len(pathlib.Path(chief_log).read_text().splitlines())
+            if os.path.exists(chief_log)
+            else 0
+        )
+
+    def progress(what, more=10):
+        start = takes()
+        wait_until(lambda: takes() >= start + more, what)
+
+    progress("takes before any fault")
+    os.kill(pids[0], signal.SIGKILL)  # a worker dies, maybe mid-apply
+    progress("takes after a worker's death")
+    _stopped(pids[1:2], True)  # a worker paused, then resumed
+    progress("takes while a worker is paused")
+    _stopped(pids[1:2], False)
+    # The chief dies while blocked in a take: the workers are paused until no gradient
+    # is on its way, so its take cannot be served meanwhile.
+    _stopped(pids[1:], True)
+    time.sleep(0.5)
+    wait_until(lambda: acc.num_waiting_takes() == 1 and acc.num_accumulated() < 2, "chief blocked")
+    os.kill(ray.get(chief.pid.remote()), signal.SIGKILL)
+    _stopped(pids[1:], False)
+    chief = Process.remote()  # restarted: its handle by name, the same log
+    chiefs.append(
+        chief.chief.remote(
+            oray.ConditionalAccumulator(np.float32, (size,), "chaos", reduction_type="SUM"),
+            2,
+            chief_log,
+            stop,
+        )
+    )
+    progress("takes by the restarted chief")
+    os.kill(acc._call("pid"), signal.SIGKILL)  # the actor dies; Ray restarts it
+    progress("takes after the actor's restart")
+    pathlib.Path(stop).touch()
+    ray.get(pushing[1:] + chiefs[1:], timeout=WAIT)
+    counts = collections.Counter()
+    for line in pathlib.Path(chief_log).read_text().splitlines():
+        for item in line.split():
+            k, times = item.split(":")
+            counts[int(k)] += int(times)
+    left = acc.num_accumulated()
+    if left:
+        for k in np.flatnonzero(np.asarray(acc.take_grad(left, WAIT))):
+            counts[int(k)] += 1
+    answers = {}
+    for log in logs:
+        for line in pathlib.Path(log).read_text().splitlines():
+            k, accepted = line.split()
+            answers[int(k)] = accepted == "1"
+    accepted = [k for k, a in answers.items() if a]
+    assert len(accepted) > 60 and sum(not a for a in answers.values()) > 0
+    wrong = {k: counts[k] for k in accepted if counts[k] != 1}
+    assert not wrong, wrong  # taken exactly once
+    assert all(counts[k] == 0 for k, a in answers.items() if not a)  # dropped: never taken
+    unanswered = set(counts) - set(answers)  # sent when its worker died: at most once
+    assert all(counts[k] == 1 for k in unanswered) and len(unanswered) <= 1
+    acc.kill()
+    ray.kill(chief)
 
 
 # --------------------------------------------------------------------------- training
