@@ -346,7 +346,7 @@ def fsdp_step(params, state, xb, yb):
 data = NamedSharding(fmesh, P("fsdp"))
 for xb, yb in tqdm(batches[:80], desc="FSDP"):
     fparams, fstate = fsdp_step(fparams, fstate, jax.device_put(xb, data), jax.device_put(yb, data))
-kernel = max(jax.tree.leaves(fstate.accumulator), key=lambda a: a.size)
+kernel = max(jax.tree.leaves(fstate.storage), key=lambda a: a.size)
 updates = int(optax_accum.global_step(fstate))
 print(f"FSDP accuracy {float(accuracy(fparams)):.3f} after {updates} updates")
 print(f"each device holds {kernel.addressable_shards[0].data.shape} of the {kernel.shape} sum")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the names below are, for type checkers and editors
     from optax_accum.accumulator import ConditionalAccumulatorState, conditional_accumulator
     from optax_accum.agn import AGNState, agn
-    from optax_accum.checkpoint import from_checkpoint, to_checkpoint
+    from optax_accum.checkpoint import from_checkpoint, to_checkpoint, upgrade_checkpoint
     from optax_accum.cross_shard import cross_shard, cross_shard_optimizer
     from optax_accum.host import ConditionalAccumulator, SparseConditionalAccumulator
     from optax_accum.indexed_slices import IndexedSlices, apply_updates, densify, sparse_sgd
@@ -60,7 +60,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "optax_accum.accumulator": ("ConditionalAccumulatorState", "conditional_accumulator"),
     "optax_accum.agn": ("AGNState", "agn"),
-    "optax_accum.checkpoint": ("from_checkpoint", "to_checkpoint"),
+    "optax_accum.checkpoint": ("from_checkpoint", "to_checkpoint", "upgrade_checkpoint"),
     "optax_accum.cross_shard": ("cross_shard", "cross_shard_optimizer"),
     "optax_accum.host": ("ConditionalAccumulator", "SparseConditionalAccumulator"),
     "optax_accum.indexed_slices": ("IndexedSlices", "apply_updates", "densify", "sparse_sgd"),
@@ -187,4 +187,5 @@ __all__ = [
     "to_checkpoint",
     "unreduced_grad",
     "unreduced_value_and_grad",
+    "upgrade_checkpoint",
 ]

@@ -46,7 +46,7 @@ class DenseRows(NamedTuple):
       >>> _, state = tx.update(jnp.ones((4, 1)), state)
       >>> g = optax_accum.IndexedSlices(jnp.array([1]), jnp.ones((1, 1)), (4, 1))
       >>> _, state = tx.update(g, state)
-      >>> state.accumulator.touches.tolist(), state.accumulator.values[:, 0].tolist()
+      >>> state.storage.touches.tolist(), state.storage.values[:, 0].tolist()
       ([1, 2, 1, 1], [1.0, 2.0, 1.0, 1.0])
     """
 

@@ -48,7 +48,7 @@ class RowBuffer(NamedTuple):
       >>> state = tx.init(jnp.zeros((5, 1)))
       >>> g = optax_accum.IndexedSlices(jnp.array([3, 3]), jnp.ones((2, 1)), (5, 1))
       >>> _, state = tx.update(g, state)  # row 3, twice: summed, counted once
-      >>> buf = state.accumulator
+      >>> buf = state.storage
       >>> slot = int(buf.slot_of[3])
       >>> int(buf.size), int(buf.rows[slot]), float(buf.values[slot, 0]), int(buf.touches[slot])
       (1, 3, 2.0, 1)

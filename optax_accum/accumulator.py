@@ -12,20 +12,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax import lax
 
-from optax_accum import (
-    _branch,
-    _checks,
-    _counters,
-    _extra_args,
-    _gate,
-    _protocol,
-    _sums,
-    _unreduced,
-)
+from optax_accum import _checks, _counters, _engine, _protocol, _storages
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -45,11 +34,12 @@ class ConditionalAccumulatorState(NamedTuple):
         traced `weight` that is negative, NaN or infinite (summed over replicas). A
         non-finite gradient under `skip_nonfinite=True` counts in `num_nonfinite` only.
       emitted: bool, whether the last `update` released an update.
-      accumulator: the running sum of accepted gradients, in the accumulator dtype
-        (under an `axis_name`, each replica holds the sum of its own gradients). A
-        release spends it: while `emitted` is True it holds no sum (on the CPU, the
-        released updates travel in its buffers) and the next `update` starts from
-        zeros. `optax_accum.accumulated(state)` reads the sum, zeros after a release.
+      storage: the buffers of the running sum of accepted gradients, shaped like the
+        params, in the accumulator dtype (under an `axis_name`, each replica keeps the
+        sum of its own gradients). While `emitted` is False they hold the sum; a
+        release spends them (the released updates travel in them, on the CPU) and the
+        next `update` starts from zeros, so right after a release they hold no sum.
+        `optax_accum.accumulated(state)` reads the sum at every step.
       inner_state: the wrapped optimizer's state.
 
     Example:
@@ -58,7 +48,7 @@ class ConditionalAccumulatorState(NamedTuple):
       >>> state = tx.init(jnp.zeros(2))
       >>> _, state = tx.update(jnp.ones(2), state, local_step=0)
       >>> _, state = tx.update(jnp.ones(2), state, local_step=-1)  # stale
-      >>> int(state.count), int(state.num_dropped), state.accumulator
+      >>> int(state.count), int(state.num_dropped), optax_accum.accumulated(state)
       (1, 1, Array([1., 1.], dtype=float32))
     """
 
@@ -69,7 +59,7 @@ class ConditionalAccumulatorState(NamedTuple):
     num_nonfinite: jax.Array
     num_skipped: jax.Array
     emitted: jax.Array
-    accumulator: optax.Updates
+    storage: optax.Updates
     inner_state: optax.OptState
 
 
@@ -184,28 +174,19 @@ def conditional_accumulator(
       >>> u
       Array([-2.5, -3.5], dtype=float32)
     """
-    inner = _checks.require_transformation("inner", inner)
-    required = _counters.num_required_fn(num_required)
-    mean = _checks.canonical_reduction(reduction) == "mean"
-    acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
-    axis_name = _checks.require_axis_name("axis_name", axis_name)
-    skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
-    skip_rule = _checks.require_skip_rule(should_skip_update_fn)
+    sums = _storages.dense_sum(_checks.floating_dtype("accumulator_dtype", accumulator_dtype))
+    rules = _engine.Rules(
+        inner=_checks.require_transformation("inner", inner),
+        required=_counters.num_required_fn(num_required),
+        mean=_checks.canonical_reduction(reduction) == "mean",
+        axis_name=_checks.require_axis_name("axis_name", axis_name),
+        skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
+        skip_rule=_checks.require_skip_rule(should_skip_update_fn),
+        kinds=(sums,),
+    )
 
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
-        _checks.require_floating_params(params)
-        # Each counter gets its own buffer, so the state can be donated as it comes.
-        return ConditionalAccumulatorState(
-            global_step=_counters.int32(0),
-            count=_counters.int32(0),
-            weight_sum=jnp.zeros((), _sums.WEIGHT_DTYPE),
-            num_dropped=_counters.int32(0),
-            num_nonfinite=_counters.int32(0),
-            num_skipped=_counters.int32(0),
-            emitted=jnp.asarray(False),
-            accumulator=jax.tree.map(lambda p: _sums.zeros_accumulator(p, acc_dtype), params),
-            inner_state=inner.init(_unreduced.plain(params)),
-        )
+        return _engine.init(rules, ConditionalAccumulatorState, params, lambda p: sums)
 
     def step(
         updates: optax.Updates,
@@ -218,90 +199,17 @@ def conditional_accumulator(
         **extra_args: Any,
     ) -> _protocol.Result:
         _checks.require_state(state, ConditionalAccumulatorState)
-        if not call.checked:
-            _extra_args.warn_misspelled(extra_args)
-        _checks.check_tree_matches(updates, state.accumulator, what="updates")
-        _unreduced.check_sum_types(updates, state.accumulator)
-        step = _counters.local_step_or(local_step, state.global_step)
-        w, weight_ok = _sums.weight_or_none(weight)
-        judged = _gate.judged(
-            call.verdict,
-            fresh=step >= state.global_step,
-            finite=_sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True),
-            weight_ok=weight_ok,
-            rule=_sums.skip_rule(skip_rule, updates, state.global_step, params),
-        )
-        accepted = judged.offered
-        arrived = jnp.stack([accepted, judged.stale, judged.nonfinite, judged.skipped])
-        arrived = arrived.astype(jnp.int32)
-        # Without a weight, each accepted gradient weighs 1. With one, the weight joins
-        # the counts in one float32 all-reduce (the counts, at most one per replica, are
-        # exact in float32).
-        added = None if w is None else jnp.where(accepted, w, jnp.zeros((), w.dtype))
-        if axis_name is not None:
-            _checks.require_bound_axis(axis_name)
-            if added is None:
-                arrived = lax.psum(arrived, axis_name)
-            else:
-                summed = lax.psum(jnp.append(arrived.astype(w.dtype), added), axis_name)
-                arrived, added = summed[:-1].astype(jnp.int32), summed[-1]
-        if added is None:
-            added = arrived[0].astype(_sums.WEIGHT_DTYPE)
-        count = _counters.saturating_add(state.count, arrived[0])
-        weight_sum = state.weight_sum + added
-        emit = judged.passed(count >= required(state.global_step))
-        accumulator = jax.tree.map(
-            lambda a, g: _sums.continued(a, state.emitted, accepted, g, w),
-            state.accumulator,
+        # A held step adds the gradient to the sum, in place, and passes the inner state
+        # on untouched; the release feeds the sum to `inner` (see _engine and _branch).
+        return _engine.accumulate(
+            rules,
+            state,
             updates,
-        )
-        # Updates typed reduced (reduced params) are made in the release, not selected
-        # after it from the inner's plain buffers.
-        retyped = any(_unreduced.unreduced_axes(a) for a in jax.tree.leaves(accumulator))
-
-        # A held step is the addition above, in place, and passes the inner state and
-        # the sum on untouched; the release feeds the sum to `inner`, and the next step
-        # restarts the sum (see _branch).
-        def release(inner_state, accumulator, params):
-            # An unreduced sum (under jit) is reduced here, once a window; the inner
-            # optimizer runs on plain values, its updates typed as the params are.
-            total = jax.tree.map(_unreduced.reduced_sum, accumulator)
-            if axis_name is not None:
-                total = lax.psum(total, axis_name)
-            if mean:
-                divide = _sums.mean_divider(weight_sum, jax.tree.leaves(total))
-                total = jax.tree.map(divide, total)
-            aggregate = optax.tree.cast_like(total, updates)
-            inner_call = _protocol.Call(defer=not (call.apply or retyped))
-            result = _protocol.call_inner(
-                inner, aggregate, inner_state, _unreduced.plain(params), inner_call, **extra_args
-            )
-            if result.selection is not None:
-                return result.selection, result.state
-            return _unreduced.like_params(result.updates, accumulator), result.state
-
-        branched = _branch.release_if(
-            emit, release, state.inner_state, accumulator, params, salt=count, apply=call.apply
-        )
-        inner_state, accumulator = branched.state
-        new_state = ConditionalAccumulatorState(
-            global_step=_counters.increment_if(emit, state.global_step),
-            count=jnp.where(emit, 0, count),
-            weight_sum=jnp.where(emit, jnp.zeros((), weight_sum.dtype), weight_sum),
-            num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
-            num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
-            num_skipped=_counters.saturating_add(state.num_skipped, arrived[3]),
-            emitted=judged.emitted(emit, state.emitted),
-            accumulator=accumulator,
-            inner_state=inner_state,
-        )
-        return _protocol.result_of(
-            branched.updates,
-            new_state,
+            params,
             call,
-            part=lambda s: (s.inner_state, s.accumulator),
-            params=branched.params,
-            read_weight=weight is not None,
+            local_step=local_step,
+            weight=weight,
+            extra_args=extra_args,
         )
 
     return _protocol.transformation(init_fn, step, takes_verdict=True)

@@ -18,7 +18,17 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _protocol, _sums
+from optax_accum import (
+    _branch,
+    _checks,
+    _compat,
+    _counters,
+    _engine,
+    _extra_args,
+    _protocol,
+    _storages,
+    _sums,
+)
 
 _COMMITS = ("gradients", "delta")
 
@@ -43,11 +53,11 @@ class AGNState(NamedTuple):
         in the current round (added to `num_skipped` at the next sync).
       emitted: bool, whether the last `update` was a sync step (the centre moved and
         the local parameters were pulled to it).
-      accumulator: the sum of this round's raw gradients, in the accumulator dtype
-        (this replica's own). Empty in the delta variant, which needs none. A sync
-        spends it: while `emitted` is True it still holds the last round's sum, and
-        the next `update` starts from zeros; `optax_accum.accumulated(state)` reads
-        this round's sum.
+      storage: the buffers of the sum of this round's raw gradients, in the
+        accumulator dtype (this replica's own); empty in the delta variant, which needs
+        no sum. While `emitted` is False they hold the sum; right after a sync they
+        still hold the last round's, which the next `update` does not read (it starts
+        from zeros). `optax_accum.accumulated(state)` reads this round's sum.
       centre: the shared centre parameters (TF's global centre variables); the same on
         every replica.
       inner_state: the local optimizer's state (this replica's own), kept across syncs.
@@ -70,7 +80,7 @@ class AGNState(NamedTuple):
     num_skipped: jax.Array
     round_skipped: jax.Array
     emitted: jax.Array
-    accumulator: optax.Updates
+    storage: optax.Updates
     centre: optax.Params
     inner_state: optax.OptState
     outer_state: optax.OptState
@@ -204,16 +214,17 @@ def agn(
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
     skip_rule = _checks.require_skip_rule(should_skip_update_fn)
 
+    sums = _storages.dense_sum(acc_dtype)
+
     def sum_dtype(x: Any) -> Any:
         return _sums.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
 
     def init_fn(params: optax.Params) -> AGNState:
         _checks.require_floating_params(params)
-        # zeros_like, not zeros: under shard_map the sum varies over the mesh axes the
+        _reject_reduced(params)
+        # Built from the params: under shard_map the sum varies over the mesh axes the
         # params vary over, so the state's types are the same before and after update.
-        accumulator = (
-            () if delta else jax.tree.map(lambda p: jnp.zeros_like(p, sum_dtype(p)), params)
-        )
+        storage = () if delta else jax.tree.map(sums.empty, params)
         leaves = jax.tree.leaves(params)
         like = leaves[0] if leaves else jnp.zeros(())
         return AGNState(
@@ -224,10 +235,8 @@ def agn(
             num_skipped=_counters.int32(0),
             round_skipped=jnp.zeros_like(like, jnp.int32, shape=(1,)),
             emitted=jnp.asarray(False),
-            accumulator=accumulator,
-            # A copy: outside jit, asarray would alias the params' buffers, and a train
-            # step that donates both params and state would donate them twice.
-            centre=jax.tree.map(jnp.copy, params),
+            storage=storage,
+            centre=jax.tree.map(_copy, params),
             inner_state=inner.init(params),
             outer_state=outer.init(params),
         )
@@ -249,6 +258,7 @@ def agn(
             _extra_args.warn_misspelled(extra_args)
         _checks.check_tree_matches(updates, state.centre, what="updates")
         _checks.check_tree_matches(params, state.centre, what="params")
+        _reject_reduced(params)
         if axis_name is not None:
             _checks.require_bound_axis(axis_name)
 
@@ -259,30 +269,33 @@ def agn(
         # Gradients in another dtype than the params may change the dtypes of `inner`'s
         # state (Adam's moments); the state keeps its own, as optax.MultiSteps does.
         inner_state = optax.tree.cast_like(inner_state, state.inner_state)
-        accumulator = state.accumulator
-        round_nonfinite, round_skipped = state.round_nonfinite, state.round_skipped
+        storage = state.storage
         finite = _sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
         rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
-        kept = finite if rule is None else finite & ~rule
+        # Every gradient is fresh (a local step has no tag); the gate keeps it or skips it.
+        gate = _engine.judged(
+            None, fresh=jnp.asarray(True), finite=finite, weight_ok=jnp.asarray(True), rule=rule
+        )
+        kept = gate.offered
         skips = skip_nonfinite or rule is not None
         if skips:
             local_updates = _sums.tree_select(
                 kept, local_updates, optax.tree.zeros_like(local_updates)
             )
             inner_state = _sums.tree_select(kept, inner_state, state.inner_state)
+        # This round's skips, counted on this replica alone: no collective on a local step.
+        this_round = {}
         if skip_nonfinite:
-            round_nonfinite = _counters.saturating_add(round_nonfinite, (~finite).astype(jnp.int32))
+            this_round["round_nonfinite"] = gate.nonfinite
         if rule is not None:
-            round_skipped = _counters.saturating_add(
-                round_skipped, (finite & rule).astype(jnp.int32)
-            )
-        if not delta:
-            # The sum restarts after a sync (see `_sums.restarted`).
-            accumulator = jax.tree.map(
-                lambda a, g: _sums.continued(a, state.emitted, kept, g),
-                accumulator,
-                updates,
-            )
+            this_round["round_skipped"] = gate.skipped
+        rounds = _engine.tallied(state, this_round)
+        round_nonfinite = rounds.get("round_nonfinite", state.round_nonfinite)
+        round_skipped = rounds.get("round_skipped", state.round_skipped)
+        if not delta:  # the sum restarts after a sync (see `_sums.restarted`)
+            offer = _engine.Offer(kept, None, None, state.emitted)
+            added = sums.add(jax.tree.leaves(storage), jax.tree.leaves(updates), offer)
+            storage = jax.tree.unflatten(jax.tree.structure(storage), added.stores)
         count = state.count + 1
         sync = count >= period
 
@@ -296,7 +309,7 @@ def agn(
                     local,
                 )
             else:
-                pseudo = jax.tree.map(lambda a: a / period, accumulator)
+                pseudo = jax.tree.map(lambda a: a / period, storage)
             if axis_name is not None:
                 pseudo = lax.pmean(pseudo, axis_name)
             pseudo = optax.tree.cast_like(pseudo, centre)
@@ -307,11 +320,11 @@ def agn(
             centre = optax.apply_updates(centre, outer_updates)
             if skips:  # both rounds' counts in one all-reduce
                 (num_nonfinite, num_skipped), rounds = skipped
-                this_round = jnp.concatenate(rounds)
-                if axis_name is not None:
-                    this_round = lax.psum(this_round, axis_name)
-                num_nonfinite = _counters.saturating_add(num_nonfinite, this_round[0])
-                num_skipped = _counters.saturating_add(num_skipped, this_round[1])
+                counts, _ = _engine.counted(
+                    {"num_nonfinite": rounds[0][0], "num_skipped": rounds[1][0]}, axis_name
+                )
+                totals = {"num_nonfinite": num_nonfinite, "num_skipped": num_skipped}
+                num_nonfinite, num_skipped = _engine.tallied(totals, counts).values()
                 skipped = ((num_nonfinite, num_skipped), jax.tree.map(jnp.zeros_like, rounds))
             return centre, outer_state, skipped
 
@@ -330,7 +343,7 @@ def agn(
             num_skipped=num_skipped,
             round_skipped=round_skipped,
             emitted=sync,
-            accumulator=accumulator,
+            storage=storage,
             centre=centre,
             inner_state=inner_state,
             outer_state=outer_state,
@@ -341,6 +354,31 @@ def agn(
         return _protocol.Result(new_updates, new_state, read_weight=local.read_weight)
 
     return _protocol.transformation(init_fn, step)
+
+
+def _copy(param: Any) -> Any:
+    """The centre's leaf: a copy of the param (outside jit, asarray would alias the
+    params' buffers, and a train step that donates both params and state would donate
+    them twice); zeros of its type for a `jax.ShapeDtypeStruct`, whose values are not
+    known (the state of such an init gives shapes and shardings, e.g. a restore's
+    target)."""
+    if isinstance(param, jax.ShapeDtypeStruct):
+        return jnp.zeros_like(param)
+    return jnp.copy(param)
+
+
+def _reject_reduced(params: Any) -> None:
+    """A clear error for params typed reduced (`optax_accum.as_reduced`)."""
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if _compat.sum_types(p)[0]:
+            raise TypeError(
+                f"agn cannot take params typed reduced (params{jax.tree_util.keystr(path)} "
+                f"is {jax.typeof(p)}): every local step applies this worker's own gradient "
+                "to its params, so there is no sum to defer. Give agn plain params (each "
+                "worker's gradient reduced over its own batch axes), or accumulate the "
+                "local steps first with an accumulator inside: agn(conditional_accumulator("
+                "inner, k), ...)"
+            )
 
 
 __all__ = ["AGNState", "agn"]

@@ -11,7 +11,8 @@ unreduced`, from Orbax, `flax.serialization` and `np.asarray` alike).
 `to_checkpoint` gives the tree as a checkpoint holds it, every leaf plain: a reduced
 leaf is its own buffers retyped (no data moves, no copy), an unreduced one its true
 value, summed once (an all-reduce of each leaf's shard, all in one compiled program,
-which XLA may fuse into one all-reduce; at save time only). `from_checkpoint` types each saved leaf as the leaf of a fresh state: reduced
+which XLA may fuse into one all-reduce; at save time only). `from_checkpoint` types
+each saved leaf as the leaf of a fresh state: reduced
 again (no data moves), or unreduced with the whole sum on one device of each group
 along the unreduced axes and zeros on the others, which is exact (the sum over the
 devices is the saved value, bit for bit). A restored run then equals the run that was
@@ -81,9 +82,9 @@ def to_checkpoint(tree: Any) -> Any:
       ...     x = jax.reshard(jnp.ones((8, 3)), P("data"))  # a batch of 8, one per device
       ...     updates, state = jax.jit(tx.update)(jax.grad(loss)(params, x), state, params)
       ...     saved = optax_accum.to_checkpoint({"params": params, "opt_state": state})
-      >>> jax.typeof(state.accumulator["w"]), jax.typeof(saved["opt_state"].accumulator["w"])
+      >>> jax.typeof(state.storage["w"]), jax.typeof(saved["opt_state"].storage["w"])
       (ShapedArray(float32[3,2]{U:data}), ShapedArray(float32[3,2]))
-      >>> saved["opt_state"].accumulator["w"].tolist()  # the 8 devices' partial sums, summed
+      >>> saved["opt_state"].storage["w"].tolist()  # the 8 devices' partial sums, summed
       [[8.0, 8.0], [8.0, 8.0], [8.0, 8.0]]
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -148,11 +149,11 @@ def from_checkpoint(saved: Any, like: Any) -> Any:
       >>> with jax.set_mesh(mesh):
       ...     params = optax_accum.as_reduced({"w": jnp.zeros((3, 2))}, "data")
       ...     like = tx.init(params)  # a fresh state: the types to restore into
-      ...     saved = like._replace(accumulator={"w": jnp.full((3, 2), 8.0, jnp.float32)})
+      ...     saved = like._replace(storage={"w": jnp.full((3, 2), 8.0, jnp.float32)})
       ...     state = optax_accum.from_checkpoint(saved, like)
-      >>> jax.typeof(state.accumulator["w"])
+      >>> jax.typeof(state.storage["w"])
       ShapedArray(float32[3,2]{U:data})
-      >>> [float(s.data[0, 0]) for s in state.accumulator["w"].addressable_shards]
+      >>> [float(s.data[0, 0]) for s in state.storage["w"].addressable_shards]
       [8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -174,6 +175,88 @@ def from_checkpoint(saved: Any, like: Any) -> Any:
         for (i, _), x in zip(pending, typed, strict=True):
             out[i] = x
     return treedef.unflatten(out)
+
+
+# The state fields renamed since a release, by their names today: what a checkpoint of
+# that release holds under the old name.
+_RENAMED = {"storage": ("accumulator",)}  # 0.1.0: `accumulator`, the running sum's buffers
+
+
+def upgrade_checkpoint(saved: Any, like: Any) -> Any:
+    """A checkpoint written by an earlier release of optax_accum, in today's structure.
+
+    Restore the checkpoint without a target (Orbax's `StandardCheckpointer().restore(
+    path)`, or `flax.serialization.msgpack_restore(data)`): it comes back as nested
+    dicts (and lists) keyed by the names it was saved under. This reads it into the
+    structure of `like`, a fresh state of the same transform and params (or any tree
+    holding one, e.g. `{"params": ..., "opt_state": ...}`), by name: a field renamed
+    since (0.1.0's `accumulator`, today's `storage`) is read under its old name. Each
+    leaf is then typed and placed as `like`'s leaf, as `from_checkpoint` does.
+
+    Args:
+      saved: the restored tree, of dicts, lists and arrays (jax or NumPy).
+      like: the tree to read it into.
+
+    Returns:
+      `saved`, with `like`'s structure, each leaf typed and placed as `like`'s.
+
+    Raises:
+      ValueError: when `saved` lacks a field `like` has (under any of its names), or a
+        leaf's shape or dtype differs from `like`'s.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, optax_accum
+      >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
+      >>> like = tx.init(jnp.zeros(2))
+      >>> saved = {name: np.asarray(0) for name in ("global_step", "count", "num_dropped",
+      ...     "num_nonfinite", "num_skipped")}  # a state written by optax_accum 0.1.0
+      >>> saved.update(weight_sum=np.float32(1), emitted=np.asarray(False),
+      ...     accumulator=np.array([3.0, 4.0], np.float32), inner_state=[{}, {}], count=1)
+      >>> state = optax_accum.upgrade_checkpoint(saved, like)
+      >>> optax_accum.accumulated(state), int(optax_accum.num_accumulated(state))
+      (Array([3., 4.], dtype=float32), 1)
+    """
+    return from_checkpoint(_by_name("", saved, like), like)
+
+
+def _by_name(path: str, saved: Any, like: Any) -> Any:
+    """`saved` in `like`'s structure, children found by name (or position)."""
+    if isinstance(like, tuple) and hasattr(like, "_fields"):  # a NamedTuple: by field
+        return type(like)(
+            *(
+                _by_name(f"{path}.{f}", _field(path, saved, f, _RENAMED.get(f, ())), v)
+                for f, v in zip(like._fields, like, strict=True)
+            )
+        )
+    if isinstance(like, dict):
+        return type(like)(
+            (k, _by_name(f"{path}[{k!r}]", _field(path, saved, k, ()), v)) for k, v in like.items()
+        )
+    if isinstance(like, list | tuple):
+        return type(like)(
+            _by_name(f"{path}[{i}]", _field(path, saved, i, ()), v) for i, v in enumerate(like)
+        )
+    if like is None or not jax.tree.leaves(like):
+        return like
+    if jax.tree.structure(like).num_nodes > 1:  # a registered node: flatten it as `like`
+        leaves = jax.tree.leaves(saved) if not isinstance(saved, dict) else list(saved.values())
+        return jax.tree.unflatten(jax.tree.structure(like), leaves)
+    return saved
+
+
+def _field(path: str, saved: Any, key: Any, old: tuple) -> Any:
+    """`saved`'s child `key` (a field, a dict key or a position; flax keys positions as
+    strings), or under one of its `old` names."""
+    for name in (key, *old):
+        if isinstance(saved, dict):
+            for k in (name, str(name)):
+                if k in saved:
+                    return saved[k]
+        elif isinstance(saved, list | tuple) and isinstance(name, int) and name < len(saved):
+            return saved[name]
+        elif hasattr(saved, str(name)):
+            return getattr(saved, str(name))
+    raise ValueError(f"the checkpoint holds no {path or 'tree'}[{key!r}] (nor {list(old)})")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -285,4 +368,4 @@ def _check_leaf(path: str, saved: Any, like: Any) -> None:
         )
 
 
-__all__ = ["from_checkpoint", "to_checkpoint"]
+__all__ = ["from_checkpoint", "to_checkpoint", "upgrade_checkpoint"]

@@ -150,7 +150,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
       >>> tx = optax_accum.conditional_accumulator(optax.adam(1e-3), num_required=4)
       >>> shardings = optax_accum.state_shardings(tx, params)
       >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
-      >>> state.accumulator["w"].addressable_shards[0].data.shape  # 2 of 16 rows a device
+      >>> state.storage["w"].addressable_shards[0].data.shape  # 2 of 16 rows a device
       (2, 4)
       >>> state.count.sharding.is_fully_replicated
       True
@@ -284,7 +284,7 @@ def state_partition_specs(
       >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 8, axis_name="data")
       >>> specs = optax_accum.state_partition_specs(tx, jnp.zeros(3), mesh)
-      >>> tuple(specs.accumulator), tuple(specs.global_step)  # P("data"), P()
+      >>> tuple(specs.storage), tuple(specs.global_step)  # P("data"), P()
       (('data',), ())
     """
     _checks.require_transformation("tx", tx)

@@ -14,26 +14,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax import lax
 
-from optax_accum import (
-    _branch,
-    _checks,
-    _counters,
-    _dense_rows,
-    _extra_args,
-    _gate,
-    _protocol,
-    _row_buffer,
-    _row_ids,
-    _sums,
-    _unreduced,
-)
+from optax_accum import _checks, _counters, _engine, _protocol, _row_buffer, _storages
 from optax_accum._dense_rows import DenseRows
 from optax_accum._row_buffer import RowBuffer
-from optax_accum.indexed_slices import IndexedSlices
 
 
 class SparseConditionalAccumulatorState(NamedTuple):
@@ -53,8 +38,11 @@ class SparseConditionalAccumulatorState(NamedTuple):
         and dense leaves alike) whose id lay outside `[0, num_rows]` and were ignored
         (the padding id `num_rows` is not counted).
       emitted: bool, whether the last `update` released an update.
-      accumulator: the params' tree, holding a `RowBuffer` for each sparse leaf and a
-        `DenseRows` (per replica under an `axis_name`) for each dense leaf.
+      storage: the params' tree, holding a `RowBuffer` for each sparse leaf and a
+        `DenseRows` (per replica under an `axis_name`) for each dense leaf: the
+        window's running sums while `emitted` is False. A release resets each row
+        buffer's `size`; the dense leaves still hold the released window's values
+        until the next `update` starts them from zeros.
       inner_state: the wrapped optimizer's state.
 
     Example:
@@ -64,7 +52,7 @@ class SparseConditionalAccumulatorState(NamedTuple):
       >>> state = tx.init(jnp.zeros((4, 2)))
       >>> g = optax_accum.IndexedSlices(jnp.array([0, 3]), jnp.ones((2, 2)), (4, 2))
       >>> _, state = tx.update(g, state)  # two rows do not fit in capacity 1
-      >>> int(state.count), int(state.num_overflowed), type(state.accumulator).__name__
+      >>> int(state.count), int(state.num_overflowed), type(state.storage).__name__
       (0, 1, 'RowBuffer')
     """
 
@@ -76,74 +64,8 @@ class SparseConditionalAccumulatorState(NamedTuple):
     num_overflowed: jax.Array
     num_out_of_range: jax.Array
     emitted: jax.Array
-    accumulator: Any
+    storage: Any
     inner_state: optax.OptState
-
-
-def _is_slices(x: Any) -> bool:
-    return isinstance(x, IndexedSlices)
-
-
-def _is_buffer(x: Any) -> bool:
-    return isinstance(x, RowBuffer)
-
-
-def _is_accumulator(x: Any) -> bool:
-    return isinstance(x, RowBuffer | DenseRows)
-
-
-def _num_rows(acc: RowBuffer | DenseRows) -> int:
-    return acc.slot_of.shape[0] if _is_buffer(acc) else acc.values.shape[0]
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def _check_updates(updates: Any, accumulator: Any) -> None:
-    """Trace-time check of the gradient tree against the accumulator's leaves."""
-    got = jax.tree.structure(updates, is_leaf=_is_slices)
-    expected = jax.tree.structure(accumulator, is_leaf=_is_accumulator)
-    if got != expected:
-        raise ValueError(
-            "updates must have the tree structure of the params given to init: "
-            f"expected {expected}, got {got}"
-        )
-    flat, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_slices)
-    for (path, u), a in zip(
-        flat, jax.tree.leaves(accumulator, is_leaf=_is_accumulator), strict=True
-    ):
-        where = f"updates{jax.tree_util.keystr(path)}"
-        if isinstance(u, IndexedSlices):
-            _check_slices(where, u, a)
-        elif _is_buffer(a):
-            raise TypeError(
-                f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
-                f"{type(u).__name__}; pass `sparse` to choose the sparse leaves"
-            )
-        else:
-            _checks.check_tree_matches(u, a.values, what=where)
-
-
-def _check_slices(where: str, u: IndexedSlices, acc: RowBuffer | DenseRows) -> None:
-    """Trace-time check of an `IndexedSlices` gradient against its leaf's accumulator."""
-    table = (acc.slot_of.shape[0], *acc.values.shape[1:]) if _is_buffer(acc) else acc.values.shape
-    if not table or u.dense_shape[1:] != tuple(table[1:]) or u.dense_shape[0] not in (-1, table[0]):
-        raise ValueError(f"{where} must have dense_shape {tuple(table)}, got {u.dense_shape}")
-    _row_ids.check_indices(u, what=where)
-    if not jnp.issubdtype(u.values.dtype, jnp.floating):
-        raise TypeError(f"{where}.values must be floating, got dtype {u.values.dtype}")
-
-
-def _all_finite(grads: list, accs: list) -> jax.Array:
-    """Whether the gradient holds no NaN or Inf, padding rows of `IndexedSlices` aside."""
-
-    def real_rows(g: Any, a: Any) -> Any:
-        if not isinstance(g, IndexedSlices):
-            return g
-        real = _row_ids.in_range(g.indices, _num_rows(a))
-        return jnp.where(real.reshape((-1,) + (1,) * (g.values.ndim - 1)), g.values, 0)
-
-    return _sums.all_finite([real_rows(g, a) for g, a in zip(grads, accs, strict=True)])
 
 
 # --------------------------------------------------------------------------- transform
@@ -279,35 +201,31 @@ def sparse_conditional_accumulator(
       >>> u.indices.tolist(), u.values[:2].tolist()
       ([0, 4, 5], [[-2.5, -2.5], [-2.0, -2.0]])
     """
-    inner = _checks.require_transformation("inner", inner)
-    required = _counters.num_required_fn(num_required)
     capacity = _checks.require_positive_int("capacity", capacity)
-    mean = _checks.canonical_reduction(reduction) == "mean"
-    axis_name = _checks.require_axis_name("axis_name", axis_name)
-    skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
-    skip_rule = _checks.require_skip_rule(should_skip_update_fn)
+    buffers, dense = _storages.row_buffer(capacity), _storages.dense_rows()
+    rules = _engine.Rules(
+        inner=_checks.require_transformation("inner", inner),
+        required=_counters.num_required_fn(num_required),
+        mean=_checks.canonical_reduction(reduction) == "mean",
+        axis_name=_checks.require_axis_name("axis_name", axis_name),
+        skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
+        skip_rule=_checks.require_skip_rule(should_skip_update_fn),
+        # Row buffers first: they may refuse a gradient (overflow), which the dense
+        # leaves then do not add.
+        kinds=(buffers, dense),
+    )
     if sparse is not None and not callable(sparse):
         jax.tree.map(lambda m: _checks.require_bool("sparse", m), sparse)
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
         _checks.require_floating_params(params)
         mask = _row_buffer.sparse_mask(sparse, params, capacity)
-        # Each counter gets its own buffer, so the state can be donated as it comes.
-        return SparseConditionalAccumulatorState(
-            global_step=_counters.int32(0),
-            count=_counters.int32(0),
-            num_dropped=_counters.int32(0),
-            num_nonfinite=_counters.int32(0),
-            num_skipped=_counters.int32(0),
-            num_overflowed=_counters.int32(0),
-            num_out_of_range=_counters.int32(0),
-            emitted=jnp.asarray(False),
-            accumulator=jax.tree.map(
-                lambda p, m: _row_buffer.empty(p, capacity) if m else _dense_rows.empty(p),
-                params,
-                mask,
-            ),
-            inner_state=inner.init(_unreduced.plain(params)),
+        return _engine.init(
+            rules,
+            SparseConditionalAccumulatorState,
+            params,
+            lambda p, m: buffers if m else dense,
+            mask,
         )
 
     def step(
@@ -321,186 +239,20 @@ def sparse_conditional_accumulator(
         **extra_args: Any,
     ) -> _protocol.Result:
         _checks.require_state(state, SparseConditionalAccumulatorState)
-        if not call.checked:
-            _extra_args.warn_misspelled(extra_args)
-        _check_updates(updates, state.accumulator)
-        step = _counters.local_step_or(local_step, state.global_step)
-        w, weight_ok = _sums.weight_or_none(weight)
-        grads = jax.tree.leaves(updates, is_leaf=_is_slices)
-        accs = jax.tree.leaves(state.accumulator, is_leaf=_is_accumulator)
-        _check_sum_types(grads, accs)
-        judged = _gate.judged(
-            call.verdict,
-            fresh=step >= state.global_step,
-            finite=_all_finite(grads, accs) if skip_nonfinite else jnp.asarray(True),
-            weight_ok=weight_ok,
-            rule=_sums.skip_rule(skip_rule, updates, state.global_step, params),
-        )
-        # Taken whole or not at all: `accepted` is `offered` unless its rows overflowed.
-        accs, accepted, overflow, out_of_range = _accumulate(
-            grads, accs, judged.offered, w, axis_name, state.emitted
-        )
-        accumulator = jax.tree.unflatten(
-            jax.tree.structure(state.accumulator, is_leaf=_is_accumulator), accs
-        )
-        flags = [accepted, judged.stale, judged.nonfinite, judged.passed(overflow), judged.skipped]
-        arrived = jnp.stack(
-            [f.astype(jnp.int32) for f in flags] + [jnp.where(accepted, out_of_range, 0)]
-        )
-        if axis_name is not None:
-            arrived = lax.psum(arrived, axis_name)
-        count = _counters.saturating_add(state.count, arrived[0])
-        emit = judged.passed(count >= required(state.global_step))
-
-        # The release reads the accumulator and never returns it; a held step passes
-        # the inner state on untouched (see _branch).
-        # An unreduced dense sum (under jit) is reduced here, once a window; the inner
-        # optimizer runs on plain values, its updates typed as the params are.
-        def release(inner_state, params):
-            aggregate = _aggregate(accumulator, updates, mean, axis_name)
-            result = _protocol.call_inner(
-                inner,
-                aggregate,
-                inner_state,
-                _unreduced.plain(params),
-                _protocol.Call(),
-                **extra_args,
-            )
-            return _like_params(result.updates, accumulator), result.state
-
-        branched = _branch.update_if(
-            emit,
-            release,
-            state.inner_state,
+        # The release reads the row buffers and never returns them; a held step passes
+        # the inner state on untouched (see _engine and _branch).
+        return _engine.accumulate(
+            rules,
+            state,
+            updates,
             params,
-            salt=count,
-            apply=call.apply,
-            held=_as_padding,
-        )
-        emitted = judged.emitted(emit, state.emitted)
-        new_state = _next_state(state, emit, emitted, count, arrived, accumulator, branched.state)
-        return _protocol.result_of(
-            branched.updates,
-            new_state,
             call,
-            params=branched.params,
-            read_weight=weight is not None,
+            local_step=local_step,
+            weight=weight,
+            extra_args=extra_args,
         )
 
     return _protocol.transformation(init_fn, step, takes_verdict=True)
-
-
-# --------------------------------------------------------------------------- update steps
-
-
-def _accumulate(
-    grads: list,
-    accs: list,
-    offered: jax.Array,
-    w: jax.Array | None,
-    axis_name: Any,
-    restart: jax.Array,
-) -> tuple[list, jax.Array, jax.Array, jax.Array]:
-    """The accumulators with the gradient added if it is offered and fits: the row
-    buffers take it (under `axis_name`, every replica's, in replica order) whole or not
-    at all, then the dense leaves add it if the buffers took it. Also returns whether
-    this replica's gradient was accepted, whether it overflowed, and how many of its
-    row ids lay outside their leaves (ignored: they cannot raise under jit). After a
-    release (`restart`) the dense leaves start from zeros (see `_dense_rows.add_all`)."""
-    sparse_at = [i for i, a in enumerate(accs) if _is_buffer(a)]
-    dense_at = [i for i, a in enumerate(accs) if not _is_buffer(a)]
-    buffers, accepted, overflow, sparse_out = _row_buffer.offer(
-        [accs[i] for i in sparse_at], [grads[i] for i in sparse_at], offered, w, axis_name
-    )
-    dense, dense_out = _dense_rows.add_all(
-        accepted, [accs[i] for i in dense_at], [grads[i] for i in dense_at], w, axis_name, restart
-    )
-    accs = list(accs)
-    for i, a in zip(sparse_at + dense_at, buffers + dense, strict=True):
-        accs[i] = a
-    return accs, accepted, overflow, sparse_out + dense_out
-
-
-def _check_sum_types(grads: list, accs: list) -> None:
-    """A clear error where a dense leaf's gradient is not typed unreduced over the axes
-    its running sum is (see `_unreduced`)."""
-    dense = [
-        (g, a.values)
-        for g, a in zip(grads, accs, strict=True)
-        if not _is_buffer(a) and not isinstance(g, IndexedSlices)
-    ]
-    _unreduced.check_sum_types([g for g, _ in dense], [a for _, a in dense])
-
-
-def _like_params(updates: Any, accumulator: Any) -> Any:
-    """Dense updates typed reduced where their running sum is unreduced (as their
-    params are): a cast that moves nothing."""
-
-    def leaf(u: Any, a: Any) -> Any:
-        return u if _is_buffer(a) else _unreduced.like_params(u, a.values)
-
-    return jax.tree.map(leaf, updates, accumulator, is_leaf=_is_slices)
-
-
-def _aggregate(accumulator: Any, updates: Any, mean: bool, axis_name: Any) -> Any:
-    """The released tree: `IndexedSlices` for the row buffers, arrays for dense leaves."""
-
-    def leaf(a, g):
-        if _is_buffer(a):
-            return _row_buffer.release(a, mean, g)
-        like = g.values if isinstance(g, IndexedSlices) else g
-        return _dense_rows.release(a, mean, like, axis_name)
-
-    return jax.tree.map(leaf, accumulator, updates, is_leaf=_is_accumulator)
-
-
-def _next_state(
-    state: SparseConditionalAccumulatorState,
-    emit: jax.Array,
-    emitted: jax.Array,
-    count: jax.Array,
-    arrived: jax.Array,
-    accumulator: Any,
-    inner_state: optax.OptState,
-) -> SparseConditionalAccumulatorState:
-    """The state after an update: `arrived` holds the int32 counts of this step's
-    accepted, stale, non-finite, overflowed and skipped gradients and of its
-    out-of-range rows; on a release (`emit`), the accumulator is emptied and the step
-    advances. `emitted` is the new state's flag (`emit`, unless a wrapper's verdict
-    dropped the gradient)."""
-    return SparseConditionalAccumulatorState(
-        global_step=_counters.increment_if(emit, state.global_step),
-        count=jnp.where(emit, 0, count),
-        num_dropped=_counters.saturating_add(state.num_dropped, arrived[1]),
-        num_nonfinite=_counters.saturating_add(state.num_nonfinite, arrived[2]),
-        num_skipped=_counters.saturating_add(state.num_skipped, arrived[4]),
-        num_overflowed=_counters.saturating_add(state.num_overflowed, arrived[3]),
-        num_out_of_range=_counters.saturating_add(state.num_out_of_range, arrived[5]),
-        emitted=emitted,
-        accumulator=jax.tree.map(
-            lambda a: _reset_if(emit, a), accumulator, is_leaf=_is_accumulator
-        ),
-        inner_state=inner_state,
-    )
-
-
-def _reset_if(emit: jax.Array, acc: RowBuffer | DenseRows) -> RowBuffer | DenseRows:
-    """The accumulator emptied if `emit`: a row buffer resets `size` (see `_row_buffer`);
-    a dense leaf is left as it is, and the next step starts it from zeros."""
-    if _is_buffer(acc):
-        return acc._replace(size=jnp.where(emit, 0, acc.size))
-    return acc
-
-
-def _as_padding(tree: Any) -> Any:
-    """Zero `IndexedSlices` leaves get padding ids, so applying them touches no row."""
-
-    def pad(u: Any) -> Any:
-        if not isinstance(u, IndexedSlices):
-            return u
-        return IndexedSlices(jnp.full_like(u.indices, u.padding_index), u.values, u.dense_shape)
-
-    return jax.tree.map(pad, tree, is_leaf=_is_slices)
 
 
 __all__ = [

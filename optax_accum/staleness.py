@@ -18,7 +18,16 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _protocol, _state_tree
+from optax_accum import (
+    _branch,
+    _checks,
+    _counters,
+    _engine,
+    _extra_args,
+    _protocol,
+    _state_tree,
+    _unreduced,
+)
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -189,7 +198,7 @@ def drop_stale_gradients(
             _checks.require_bound_axis(axis_name)
             accept = lax.pmin(accept.astype(jnp.int32), axis_name) > 0
 
-        # A dropped update leaves the inner state as it was (see _branch and _gate).
+        # A dropped update leaves the inner state as it was (see _branch and _engine).
         if gated:
             result = _protocol.call_inner(
                 inner,
@@ -202,6 +211,7 @@ def drop_stale_gradients(
             out = result.updates if result.selection is None else result.selection
             inner_state, new_params, read = result.state, result.params, result.read_weight
         else:
+            _reject_unreduced(updates)
             reads: list = []
 
             def run(inner_state, params):
@@ -224,11 +234,11 @@ def drop_stale_gradients(
             )
             out, inner_state, new_params = branched
             read = reads[-1]
-        new_state = DropStaleGradientsState(
+        new_state = state._replace(
             global_step=_counters.increment_if(accept, state.global_step),
-            num_dropped=_counters.increment_if(~accept, state.num_dropped),
             emitted=accept,
             inner_state=inner_state,
+            **_engine.tallied(state, {"num_dropped": ~accept}),
         )
         _protocol.watch_weight(
             "drop_stale_gradients",
@@ -250,6 +260,22 @@ def drop_stale_gradients(
         )
 
     return _protocol.transformation(init_fn, step)
+
+
+def _reject_unreduced(updates: Any) -> None:
+    """A clear error for gradients typed unreduced (params typed reduced) that would
+    reach an inner optimizer as partial sums."""
+    for path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if _unreduced.unreduced_axes(g):
+            raise TypeError(
+                f"drop_stale_gradients cannot pass updates{jax.tree_util.keystr(path)}, "
+                f"typed unreduced ({jax.typeof(g)}: its param is typed reduced), to an "
+                "inner optimizer that is not an optax_accum accumulator: each device holds "
+                "a partial sum. Put an accumulator inside, drop_stale_gradients("
+                "conditional_accumulator(inner, k), staleness), which keeps the sum "
+                "unreduced and reduces it once a window; or reduce the gradients first "
+                "(differentiate plain params)"
+            )
 
 
 def _find_state(state: Any) -> DropStaleGradientsState:

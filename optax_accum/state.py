@@ -143,9 +143,9 @@ def accumulated(state: Any) -> Any:
     """The running sum of gradients in the outermost `conditional_accumulator` or `agn`
     state in `state`: zeros right after a release.
 
-    A release spends the state's `accumulator` field (the next `update` starts from
-    zeros, and on the CPU the released updates travel in its buffers), so read the sum
-    here rather than from the field. Under an `axis_name`, each replica holds the sum of
+    A release spends the state's `storage` (the next `update` starts from zeros, and on
+    the CPU the released updates travel in its buffers), so read the sum here rather
+    than from the field. Under an `axis_name`, each replica holds the sum of
     its own gradients.
 
     TF counterpart: none (TF keeps the sum inside the accumulator op).
@@ -186,7 +186,7 @@ def accumulated(state: Any) -> Any:
         )
         return _sums.select(flag, _unreduced.zeros_like(a), a)  # an unreduced sum stays so
 
-    return jax.tree.map(read, found.accumulator)
+    return jax.tree.map(read, found.storage)
 
 
 def has_updated(state: Any) -> jax.Array:

@@ -161,7 +161,7 @@ def unreduced_grad(
       ...     state = tx.init(params)
       ...     grads = jax.jit(optax_accum.unreduced_grad(loss, "data"))(params, x)
       ...     updates, state = tx.update(grads, state, params)
-      >>> jax.typeof(grads["w"]), jax.typeof(state.accumulator["w"])
+      >>> jax.typeof(grads["w"]), jax.typeof(state.storage["w"])
       (ShapedArray(float32[3,2]{U:data}), ShapedArray(float32[3,2]{U:data}))
     """
     return _per_shard.value_and_grad(
@@ -281,7 +281,7 @@ def keep_reduction_axes(specs: Any, like: Any) -> Any:
       ...     shapes = jax.eval_shape(init)
       >>> ruled = jax.tree.map(lambda s: P("fsdp", None) if s.ndim else P(), shapes)
       >>> specs = optax_accum.keep_reduction_axes(ruled, shapes)
-      >>> specs[0]["w"], specs[1].accumulator["w"], specs[1].count
+      >>> specs[0]["w"], specs[1].storage["w"], specs[1].count
       (P('fsdp', None, reduced={'dp'}), P('fsdp', None, unreduced={'dp'}), P())
     """
     is_spec = lambda x: isinstance(x, P | NamedSharding) or x is None  # noqa: E731

@@ -39,7 +39,7 @@ def _holds_sum(x: Any) -> bool:
 
 
 def spent_as_zeros(tree: Any) -> Any:
-    """`tree` with the `accumulator` of every `conditional_accumulator` and `agn` state
+    """`tree` with the `storage` of every `conditional_accumulator` and `agn` state
     in it (nested ones too) read through `optax_accum.accumulated`: a release leaves the
     field's values unspecified (the canonical step carries its updates in it), so two
     runs that agree compare equal only this way."""
@@ -51,7 +51,7 @@ def spent_as_zeros(tree: Any) -> Any:
         if isinstance(x, optax_accum.AGNState):
             nested["outer_state"] = spent_as_zeros(x.outer_state)
         x = x._replace(**nested)
-        return x._replace(accumulator=optax_accum.accumulated(x))
+        return x._replace(storage=optax_accum.accumulated(x))
 
     return jax.tree.map(read, tree, is_leaf=_holds_sum)
 

@@ -140,7 +140,7 @@ def test_float_dtypes_mean_of_zero_to_nine(dtype):
         assert out.dtype == jnp.dtype(dtype)
         np.testing.assert_allclose(np.asarray(out, np.float64), [4.5])
         expected_acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
-        assert state.accumulator.dtype == jnp.dtype(expected_acc)
+        assert state.storage.dtype == jnp.dtype(expected_acc)
 
 
 @pytest.mark.parametrize("bad", [0, -1])
@@ -172,7 +172,7 @@ def test_low_precision_params_accumulate_in_float32_and_return_their_dtype():
     tx = conditional_accumulator(optax.sgd(1.0), num_required=2)
     params = jnp.zeros(4, jnp.bfloat16)
     state = tx.init(params)
-    assert state.accumulator.dtype == jnp.float32
+    assert state.storage.dtype == jnp.float32
     g = jnp.full(4, 1.0 + 2.0**-9, jnp.bfloat16)  # not representable after bf16 sums
     updates, state = tx.update(g, state)
     updates, state = tx.update(g, state)
@@ -182,7 +182,7 @@ def test_low_precision_params_accumulate_in_float32_and_return_their_dtype():
 
 def test_explicit_accumulator_dtype():
     tx = conditional_accumulator(optax.sgd(1.0), 2, accumulator_dtype=jnp.float16)
-    assert tx.init(jnp.zeros(2)).accumulator.dtype == jnp.float16
+    assert tx.init(jnp.zeros(2)).storage.dtype == jnp.float16
 
 
 def test_num_required_schedule():
@@ -212,7 +212,7 @@ def test_nonfinite_dropped_never_reaches_state_and_held_never_reaches_updates():
     tx = conditional_accumulator(optax.sgd(1.0), num_required=2)
     offer, box = _feeder(tx, jnp.zeros(2))
     offer([np.inf, np.nan], -1)  # stale: dropped
-    assert np.all(np.isfinite(box["state"].accumulator))
+    assert np.all(np.isfinite(box["state"].storage))
     held = offer([np.inf, 1.0], 0)  # accepted and held: TF accumulates what it is given
     np.testing.assert_array_equal(held, [0.0, 0.0])
 
@@ -378,8 +378,8 @@ def test_shared_accumulator_under_shard_map():
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     tx = conditional_accumulator(optax.sgd(1.0), num_required=10, axis_name="d")
     state = tx.init(jnp.zeros(2))
-    spec = jax.tree.map(lambda _: P(), state)._replace(accumulator=P("d"))
-    state = state._replace(accumulator=jnp.zeros(16))  # per-replica sums, stacked
+    spec = jax.tree.map(lambda _: P(), state)._replace(storage=P("d"))
+    state = state._replace(storage=jnp.zeros(16))  # per-replica sums, stacked
 
     def body(g, s, ls):
         return tx.update(g.reshape(2), s, local_step=ls[0])

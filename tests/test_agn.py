@@ -484,7 +484,7 @@ def test_accessors_and_dtypes():
     tx = optax_accum.agn(optax.sgd(0.1), 2)
     params = {"w": jnp.zeros(2, jnp.bfloat16)}
     state = tx.init(params)
-    assert state.accumulator["w"].dtype == jnp.float32
+    assert state.storage["w"].dtype == jnp.float32
     assert state.centre["w"].dtype == jnp.bfloat16
     updates, state = jax.jit(tx.update)({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
     assert updates["w"].dtype == jnp.bfloat16
@@ -494,7 +494,7 @@ def test_accessors_and_dtypes():
     assert bool(optax_accum.has_updated(state))
     assert int(optax_accum.global_step(state)) == 1
     assert int(optax_accum.num_accumulated(state)) == 0
-    assert optax_accum.agn(optax.sgd(0.1), 2, commit="delta").init(params).accumulator == ()
+    assert optax_accum.agn(optax.sgd(0.1), 2, commit="delta").init(params).storage == ()
 
 
 def test_state_does_not_alias_params_so_both_can_be_donated():

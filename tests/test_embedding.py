@@ -164,7 +164,7 @@ def test_sparse_path_with_sum_equals_the_dense_path():
     dense_grad = jax.value_and_grad(_loss(model), has_aux=True)
     got, state, _ = _train(sparse_tx, sparse_grad, 7, params, optax_accum.apply_updates)
     want, _, _ = _train(dense_tx, dense_grad, 7, params, optax.apply_updates)
-    assert hasattr(state.accumulator["tokens"]["embedding"], "slot_of")  # a row buffer
+    assert hasattr(state.storage["tokens"]["embedding"], "slot_of")  # a row buffer
     assert int(optax_accum.global_step(state)) == 2
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
 

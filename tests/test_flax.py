@@ -261,7 +261,7 @@ def test_train_state_overwrite_with_gradient_split_is_honoured():
     grads = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"s": jnp.full(1, 7.0)}}
     tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=1)
     state = optax_accum.TrainState.create(apply_fn=None, params=params, tx=tx)
-    assert jax.tree.structure(state.opt_state.accumulator) == jax.tree.structure(params["params"])
+    assert jax.tree.structure(state.opt_state.storage) == jax.tree.structure(params["params"])
     state = jax.jit(lambda s, g: s.apply_gradients(grads=g, local_step=0))(state, grads)
     np.testing.assert_array_equal(state.params["params"]["w"], [-1.0, -1.0])
     np.testing.assert_array_equal(state.params["_overwrite_with_gradient"]["s"], [7.0])

@@ -1,9 +1,10 @@
 """Checkpoints written by optax_accum 0.1.0 restore into today's states and continue.
 
 tests/legacy_checkpoints.py wrote them (mid-window, with Orbax and flax.serialization)
-and recorded the params of the uninterrupted run; restored into the shapes of a fresh
-`tx.init` and continued with today's code, every scenario must end on those params bit
-for bit.
+and recorded the params of the uninterrupted run. 0.1.0's states kept the running sum
+in a field named `accumulator` (today's `storage`): restored without a target and read
+into the structure of a fresh `tx.init` by `optax_accum.upgrade_checkpoint`, then
+continued with today's code, every scenario must end on those params bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import legacy_checkpoints
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _checkpoint import abstract_like
+
+import optax_accum
 
 ROOT = pathlib.Path(__file__).parent / "data" / "checkpoints-0.1.0"
 FINAL = np.load(ROOT / "final_params.npz")
@@ -28,8 +30,11 @@ def _restore(scenario: legacy_checkpoints.Scenario, form: str):
     path = ROOT / scenario.name
     if form == "orbax":
         with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore((path / "orbax").resolve(), abstract_like(like))
-    return flax.serialization.from_bytes(like, (path / "flax.msgpack").read_bytes())
+            saved = checkpointer.restore((path / "orbax").resolve())
+    else:
+        saved = flax.serialization.msgpack_restore((path / "flax.msgpack").read_bytes())
+    assert "accumulator" in str(jax.tree_util.tree_structure(saved))  # 0.1.0's name
+    return optax_accum.upgrade_checkpoint(saved, like)
 
 
 @pytest.mark.parametrize("form", ["orbax", "flax"])

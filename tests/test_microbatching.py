@@ -150,7 +150,7 @@ def _assert_equals_the_full_batch(params, state):
     assert int(state.num_dropped) == 2  # the lag-1 and lag-2 steps
     assert int(state.count) == 1  # the last step is held, waiting for its window
     for k, param in params.items():  # the accumulator is laid out like its param
-        acc = state.accumulator[k]
+        acc = state.storage[k]
         assert acc.sharding.devices_indices_map(acc.shape) == (
             param.sharding.devices_indices_map(param.shape)
         ), k

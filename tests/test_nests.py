@@ -347,7 +347,7 @@ def _spent_rows_as_zeros(state):
 
     accumulator = jax.tree.map(
         read,
-        acc.accumulator,
+        acc.storage,
         is_leaf=lambda x: isinstance(x, optax_accum.DenseRows | optax_accum.RowBuffer),
     )
-    return state._replace(inner_state=acc._replace(accumulator=accumulator))
+    return state._replace(inner_state=acc._replace(storage=accumulator))

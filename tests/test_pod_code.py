@@ -158,8 +158,8 @@ def test_as_reduced_and_state_shardings_take_eval_shape_output():
 
         state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
         params = jax.jit(_init_params, out_shardings=param_shardings)(jax.random.key(0))
-    assert shardings.accumulator["w"].spec == P("fsdp", None, unreduced={"dp"})
-    assert shardings.accumulator["w"].mesh == _fsdp_mesh()  # the mesh set, not the abstract
+    assert shardings.storage["w"].spec == P("fsdp", None, unreduced={"dp"})
+    assert shardings.storage["w"].mesh == _fsdp_mesh()  # the mesh set, not the abstract
     assert jax.typeof(params["w"]) == jax.typeof(abstract["w"]).update(weak_type=False)
     with jax.set_mesh(_fsdp_mesh()):  # what tx.init gives on the arrays, traced
         direct = jax.eval_shape(init, jax.random.key(0))
@@ -200,11 +200,11 @@ def test_specs_from_rules_keep_the_states_types():
             jax.tree.map(lambda s: NamedSharding(_fsdp_mesh(), s), _match(RULES, shapes)), shapes
         )
     assert specs[0]["w"] == P("fsdp", None, reduced={"dp"})
-    assert specs[1].accumulator["b"] == P(None, unreduced={"dp"})
+    assert specs[1].storage["b"] == P(None, unreduced={"dp"})
     assert specs[1].inner_state[0].mu["w"] == P("fsdp", None)  # Adam's moments stay plain
-    assert state.accumulator["w"].sharding.spec == P("fsdp", None, unreduced={"dp"})
+    assert state.storage["w"].sharding.spec == P("fsdp", None, unreduced={"dp"})
     assert _compat.sum_types(params["b"]) == ({"dp"}, frozenset())
-    assert shardings[1].accumulator["w"].spec == specs[1].accumulator["w"]
+    assert shardings[1].storage["w"].spec == specs[1].storage["w"]
 
 
 def test_a_state_placed_by_specs_without_types_names_the_fix():
@@ -227,7 +227,7 @@ def test_a_state_placed_by_specs_without_types_names_the_fix():
         stripped = jax.eval_shape(
             jax.jit(init, out_shardings=_match(RULES, shapes)), jax.random.key(0)
         )
-        assert _compat.sum_types(stripped[1].accumulator["w"]) == (frozenset(), frozenset())
+        assert _compat.sum_types(stripped[1].storage["w"]) == (frozenset(), frozenset())
         x = jax.ShapeDtypeStruct(
             (16, 8), jnp.float64, sharding=NamedSharding(_fsdp_mesh(), P(("dp", "fsdp")))
         )

@@ -213,7 +213,7 @@ def test_state_is_one_accumulator_plus_inner_state(
     scalars = [x for x in jax.tree.leaves(state) if x.ndim == 0]
     assert tree_bytes(state) <= allowed + tree_bytes(scalars)
     assert tree_bytes(scalars) <= 32
-    assert tree_bytes(state.accumulator) == one_accumulator
+    assert tree_bytes(state.storage) == one_accumulator
 
 
 @DTYPES
@@ -225,8 +225,8 @@ def test_train_step_temporaries_are_the_release_mean_and_updates(pattern, dtype)
     trees in float32)."""
     params, state, compiled = held("adam", pattern, dtype)
 
-    allowed = tree_bytes(state.accumulator)
-    if state.accumulator["w"].dtype != params["w"].dtype:
+    allowed = tree_bytes(state.storage)
+    if state.storage["w"].dtype != params["w"].dtype:
         allowed += tree_bytes(params)
     slack = 4096  # scalars, tuples and the loop flag
     assert compiled.memory_analysis().temp_size_in_bytes <= allowed + slack
@@ -244,7 +244,7 @@ def test_canonical_step_carries_its_updates_in_the_accumulator(inner, dtype):
     (loop,) = [op for op in every_call(compiled.as_text()) if op.opcode == "while"]
     # The state the loop updates, and the params where AdamW's weight decay reads them
     # (passed through, not copied); the old form also carried a tree of updates.
-    carried = (state.inner_state, state.accumulator, params if inner == "adamw" else ())
+    carried = (state.inner_state, state.storage, params if inner == "adamw" else ())
     big = [x for x in array_leaves(carried) if x.shape == (64, 32)]
     assert loop.result.count("[64,32]") == len(big), loop.result
     if dtype == jnp.float32:  # bfloat16: jax 0.8's XLA keeps the release's float32 mean

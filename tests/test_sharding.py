@@ -94,8 +94,8 @@ def _grads(steps=5):
 def test_specs_of_the_shared_accumulator():
     tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 16, axis_name="i")
     specs = state_partition_specs(tx, _params(), _mesh(), local_step=0)
-    assert specs.accumulator == {"w": P("i"), "b": P("i")}
-    assert all(s == P() for s in jax.tree.leaves(specs._replace(accumulator=None)))
+    assert specs.storage == {"w": P("i"), "b": P("i")}
+    assert all(s == P() for s in jax.tree.leaves(specs._replace(storage=None)))
 
 
 def test_specs_of_plain_adam_and_of_cross_shard_adam():
@@ -112,9 +112,9 @@ def test_specs_on_a_2d_mesh_with_grad_axes():
     mesh = _mesh((2, 4), ("pod", "data"))
     tx = optax_accum.conditional_accumulator(optax.sgd(0.1), 8, axis_name="data")
     specs = state_partition_specs(tx, _params(), mesh, grad_axes=("data",))
-    assert specs.accumulator == {"w": P("data"), "b": P("data")}
+    assert specs.storage == {"w": P("data"), "b": P("data")}
     specs = state_partition_specs(tx, _params(), mesh)  # gradients differ over both axes
-    assert specs.accumulator["w"] == P(("pod", "data"))
+    assert specs.storage["w"] == P(("pod", "data"))
 
 
 def test_varying_scalar_state_raises():

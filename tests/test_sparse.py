@@ -145,7 +145,7 @@ def test_empty_gradient_is_accepted_and_counts():
     empty = IndexedSlices(jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2)), (ROWS, 2))
     offer({"s": empty, "d": empty})
     assert int(optax_accum.num_accumulated(box["state"])) == 1
-    assert type(box["state"].accumulator["d"]).__name__ == "DenseRows"
+    assert type(box["state"].storage["d"]).__name__ == "DenseRows"
     u = offer({"s": empty, "d": empty})
     assert bool(box["state"].emitted)
     assert _rows(u["s"])[0] == []
@@ -207,7 +207,7 @@ def test_capacity_refills_after_each_release():
     for ids in ([0, 1], [2, 3], [4, 5], [1, 4]):
         assert _rows(offer(_g(ids, np.ones((2, 2)))))[0] == ids
     assert int(box["state"].num_overflowed) == 0
-    assert int(box["state"].accumulator.size) == 0  # a release only resets the size
+    assert int(box["state"].storage.size) == 0  # a release only resets the size
     before = box["state"]  # its map still points at slots from earlier windows
     offer(_g([0, 4], np.full((2, 2), np.nan)), -1)  # stale: dropped
     after = box["state"]
@@ -339,7 +339,7 @@ def test_dense_leaves_match_conditional_accumulator_exactly():
             np.testing.assert_array_equal(su[k], du[k])
             # Both sums restart lazily: after a release they are read as zeros.
             s_state = s_box["state"]
-            held = np.where(s_state.emitted, 0, s_state.accumulator[k].values)
+            held = np.where(s_state.emitted, 0, s_state.storage[k].values)
             np.testing.assert_array_equal(held, optax_accum.accumulated(d_box["state"])[k])
     assert int(s_box["state"].num_dropped) == int(d_box["state"].num_dropped) == 2
 
@@ -347,7 +347,7 @@ def test_dense_leaves_match_conditional_accumulator_exactly():
 def test_default_marks_tall_matrices_sparse():
     tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=4)
     state = tx.init({"emb": jnp.zeros((10, 2)), "kernel": jnp.zeros((4, 2)), "b": jnp.zeros(10)})
-    kinds = {k: type(v).__name__ for k, v in state.accumulator.items()}
+    kinds = {k: type(v).__name__ for k, v in state.storage.items()}
     assert kinds == {"emb": "RowBuffer", "kernel": "DenseRows", "b": "DenseRows"}
 
 
@@ -483,11 +483,11 @@ def test_axis_name_on_eight_devices_matches_the_reference():
     params = {"e": jnp.zeros((ROWS, 2)), "d": jnp.zeros((1,))}
     state = tx.init(params)
     per_replica = DenseRows(jnp.zeros((n,)), jnp.zeros((n,), jnp.int32), jnp.zeros((n,)))
-    state = state._replace(accumulator={**state.accumulator, "d": per_replica})
+    state = state._replace(storage={**state.storage, "d": per_replica})
     state_spec = jax.tree.map(lambda _: P(), state)
     state_spec = state_spec._replace(
-        accumulator={
-            "e": jax.tree.map(lambda _: P(), state.accumulator["e"]),
+        storage={
+            "e": jax.tree.map(lambda _: P(), state.storage["e"]),
             "d": DenseRows(P("i"), P("i"), P("i")),
         }
     )
@@ -608,7 +608,7 @@ def test_mean_is_per_row_whatever_the_capacity(capacity):
     for ids in ([0, 1, 2], [0, 1, ROWS], [0, ROWS, ROWS]):  # padded: one shape, one compile
         u = offer(_g(ids, np.full((3, 2), 2.0)))
     kind = "RowBuffer" if capacity < ROWS else "DenseRows"
-    assert type(box["state"].accumulator).__name__ == kind
+    assert type(box["state"].storage).__name__ == kind
     expected = np.zeros((ROWS, 2))
     expected[:3] = 2.0
     np.testing.assert_array_equal(_dense_meaning(u), expected)
@@ -746,7 +746,7 @@ def test_ids_of_every_integer_dtype_are_exact(rows):
     assert int(s.num_out_of_range) == 0 and bool(s.emitted)
     for leaf, dense in expected.items():
         kind = "RowBuffer" if leaf.startswith("s_") else "DenseRows"
-        assert type(s.accumulator[leaf]).__name__ == kind, leaf
+        assert type(s.storage[leaf]).__name__ == kind, leaf
         np.testing.assert_array_equal(_dense_meaning(u[leaf]), dense, err_msg=leaf)
 
 
@@ -879,7 +879,7 @@ def test_sparse_mask_of_numpy_bools():
         for given_as in (mask, lambda p, mask=mask: mask):
             tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse=given_as)
             state = tx.init(params)
-            assert type(state.accumulator["e"]).__name__ == "RowBuffer"
+            assert type(state.storage["e"]).__name__ == "RowBuffer"
             programs.append(compiled_once(tx.update, grads, state))
             u, _ = programs[-1](grads, state)
             results.append(_dense_meaning(u["e"]))

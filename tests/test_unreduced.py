@@ -231,7 +231,7 @@ def _one_device(case: str, model: str):
 
 
 def _is_accumulator_state(node) -> bool:
-    return hasattr(node, "_fields") and {"emitted", "accumulator"} <= set(node._fields)
+    return hasattr(node, "_fields") and {"emitted", "storage"} <= set(node._fields)
 
 
 def _meaning(tree):
@@ -243,13 +243,13 @@ def _meaning(tree):
         if _is_accumulator_state(node):
             node = node._replace(inner_state=_meaning(node.inner_state))
             spent = bool(np.asarray(node.emitted))
-            read = jax.tree.map(_read, node.accumulator)
+            read = jax.tree.map(_read, node.storage)
             return node._replace(
-                accumulator=jax.tree.map(np.zeros_like, read) if spent else read,
+                storage=jax.tree.map(np.zeros_like, read) if spent else read,
                 **{
                     f: _read(getattr(node, f))
                     for f in node._fields
-                    if f not in ("accumulator", "inner_state")
+                    if f not in ("storage", "inner_state")
                 },
             )
         return _read(node)
@@ -396,8 +396,8 @@ def _assert_types_kept(params, state, layout):
         x for x in jax.tree.leaves(state, is_leaf=_is_accumulator_state) if _is_accumulator_state(x)
     )
     shapes = {p.shape for p in jax.tree.leaves(params)}
-    sums = [x for x in jax.tree.leaves(outer.accumulator) if x.shape in shapes]
-    assert sums, outer.accumulator
+    sums = [x for x in jax.tree.leaves(outer.storage) if x.shape in shapes]
+    assert sums, outer.storage
     for x in sums:
         assert _compat.sum_types(x) == (frozenset(), reduced), jax.typeof(x)
 
@@ -564,8 +564,8 @@ def test_state_shardings_types_the_sums_unreduced():
     tx = CASES["conditional_accumulator"]()
     shardings = optax_accum.state_shardings(tx, params)
     state = jax.jit(tx.init, out_shardings=shardings)(params)
-    assert shardings.accumulator["w"].spec == P("fsdp", None, unreduced={"data"})
-    assert jax.typeof(state.accumulator["w"]) == jax.typeof(tx.init(params).accumulator["w"])
+    assert shardings.storage["w"].spec == P("fsdp", None, unreduced={"data"})
+    assert jax.typeof(state.storage["w"]) == jax.typeof(tx.init(params).storage["w"])
     assert _compat.sum_types(state.inner_state[0].mu["w"]) == (frozenset(), frozenset())
 
 

@@ -1,0 +1,203 @@
+"""The storage kinds the engine is given: where each param leaf keeps its running sum.
+
+Each kind is a `_engine.Storage` record of functions over its own machinery:
+
+- `dense_sum(accumulator_dtype)`: an array like the param (`_sums`; typed unreduced
+  over the axes a reduced param is, `_unreduced`), restarted lazily after a release,
+  whose buffers may carry the released updates. `conditional_accumulator`'s leaves.
+- `dense_rows()`: a dense leaf of `sparse_conditional_accumulator`, which also counts
+  the gradients that touched each row (`_dense_rows`).
+- `row_buffer(capacity)`: a sparse leaf, up to `capacity` distinct rows (`_row_buffer`).
+
+A new kind is one more record here, and a state field for each counter it reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_accum import _checks, _dense_rows, _row_buffer, _row_ids, _sums, _unreduced
+from optax_accum._dense_rows import DenseRows
+from optax_accum._engine import Added, Offer, Storage, Window
+from optax_accum._row_buffer import RowBuffer
+from optax_accum.indexed_slices import IndexedSlices
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_dense(where: str, gradient: Any, values: Any, *, sparse_ok: bool) -> None:
+    """A dense leaf's gradient: an array of its shape, floating, typed unreduced over
+    the axes its sum is; or, where `sparse_ok`, an `IndexedSlices` of its table."""
+    if isinstance(gradient, IndexedSlices):
+        if not sparse_ok:
+            raise TypeError(
+                f"{where} must be an array, got an IndexedSlices: conditional_accumulator "
+                "sums dense gradients; sparse_conditional_accumulator takes IndexedSlices"
+            )
+        _check_slices(where, gradient, values.shape)
+        return
+    _checks.check_tree_matches(gradient, values, what=where)
+    _unreduced.check_sum_types(gradient, values, what=where)
+
+
+def _check_slices(where: str, gradient: IndexedSlices, table: tuple) -> None:
+    """An `IndexedSlices` gradient against its leaf's table shape."""
+    shape = gradient.dense_shape
+    if not table or shape[1:] != tuple(table[1:]) or shape[0] not in (-1, table[0]):
+        raise ValueError(f"{where} must have dense_shape {tuple(table)}, got {shape}")
+    _row_ids.check_indices(gradient, what=where)
+    if not jnp.issubdtype(gradient.values.dtype, jnp.floating):
+        raise TypeError(f"{where}.values must be floating, got dtype {gradient.values.dtype}")
+
+
+def _finite(gradient: Any, num_rows: int) -> jax.Array:
+    """Whether a gradient leaf holds no NaN or Inf (padding rows of an `IndexedSlices`
+    aside)."""
+    if not isinstance(gradient, IndexedSlices):
+        return _unreduced.finite(gradient)
+    real = _row_ids.in_range(gradient.indices, num_rows)
+    values = gradient.values
+    return jnp.isfinite(jnp.where(real.reshape((-1,) + (1,) * (values.ndim - 1)), values, 0)).all()
+
+
+def _same(x: Any, *_: Any) -> Any:
+    return x
+
+
+def _is_array(x: Any) -> bool:
+    """Whether `x` is one array (a tree leaf), not a container of them."""
+    return jax.tree_util.treedef_is_leaf(jax.tree.structure(x)) and x is not None
+
+
+# --------------------------------------------------------------------------- dense sums
+
+
+def dense_sum(accumulator_dtype: Any = None) -> Storage:
+    """A dense running sum per leaf, in `accumulator_dtype` (None: float32 for float16
+    and bfloat16 params, the params' dtype otherwise)."""
+
+    def add(sums: list, grads: list, offer: Offer) -> Added:
+        added = [
+            _sums.continued(s, offer.restart, offer.offered, g, offer.weight)
+            for s, g in zip(sums, grads, strict=True)
+        ]
+        return Added(added, offer.offered, {})
+
+    def release(sums: list, grads: list, window: Window) -> list:
+        # An unreduced sum (under jit) is reduced here, once a window: one all-reduce
+        # per leaf, which XLA may pack into one; likewise the replicas' sums.
+        totals = [_unreduced.reduced_sum(s) for s in sums]
+        if window.axis_name is not None:
+            totals = lax.psum(totals, window.axis_name)
+        if window.mean:
+            divide = _sums.mean_divider(window.weight_sum, totals)
+            totals = [divide(t) for t in totals]
+        return [t.astype(jnp.result_type(g)) for t, g in zip(totals, grads, strict=True)]
+
+    return Storage(
+        holds=_is_array,
+        empty=lambda param: _sums.zeros_accumulator(param, accumulator_dtype),
+        check=lambda where, g, s: _check_dense(where, g, s, sparse_ok=False),
+        finite=lambda g, s: _unreduced.finite(g),
+        add=add,
+        release=release,
+        retyped=lambda u, s: _unreduced.like_params(u, s),
+        after=_same,
+        held=_same,
+        spendable=True,
+    )
+
+
+# --------------------------------------------------------------------------- dense rows
+
+
+def dense_rows() -> Storage:
+    """A dense leaf that counts the gradients touching each row (an `IndexedSlices`
+    gradient touches its rows, a dense one all of them), for the per-row MEAN."""
+
+    def add(stores: list, grads: list, offer: Offer) -> Added:
+        added, out_of_range = _dense_rows.add_all(
+            offer.offered, stores, grads, offer.weight, offer.axis_name, offer.restart
+        )
+        arrivals = {"num_out_of_range": jnp.where(offer.offered, out_of_range, 0)}
+        return Added(added, offer.offered, arrivals)
+
+    def release(stores: list, grads: list, window: Window) -> list:
+        return [
+            _dense_rows.release(
+                s, window.mean, g.values if isinstance(g, IndexedSlices) else g, window.axis_name
+            )
+            for s, g in zip(stores, grads, strict=True)
+        ]
+
+    return Storage(
+        holds=lambda store: isinstance(store, DenseRows),
+        empty=_dense_rows.empty,
+        check=lambda where, g, s: _check_dense(where, g, s.values, sparse_ok=True),
+        finite=lambda g, s: _finite(g, s.values.shape[0]),
+        add=add,
+        release=release,
+        retyped=lambda u, s: _unreduced.like_params(u, s.values),
+        after=_same,
+        held=_same,
+        spendable=False,
+    )
+
+
+# --------------------------------------------------------------------------- row buffers
+
+
+def _check_sparse(where: str, gradient: Any, buffer: RowBuffer) -> None:
+    if not isinstance(gradient, IndexedSlices):
+        raise TypeError(
+            f"{where} must be an IndexedSlices (this leaf accumulates sparsely), got "
+            f"{type(gradient).__name__}; pass `sparse` to choose the sparse leaves"
+        )
+    _check_slices(where, gradient, (buffer.slot_of.shape[0], *buffer.values.shape[1:]))
+
+
+def _padding(update: Any) -> Any:
+    """A held step's `IndexedSlices`: padding ids, so applying it touches no row."""
+    if not isinstance(update, IndexedSlices):
+        return update
+    ids = jnp.full_like(update.indices, update.padding_index)
+    return IndexedSlices(ids, update.values, update.dense_shape)
+
+
+def row_buffer(capacity: int) -> Storage:
+    """A sparse leaf: at most `capacity` distinct rows between releases, taken whole or
+    not at all (a gradient that does not fit is refused and counted as overflowed)."""
+
+    def add(buffers: list, grads: list, offer: Offer) -> Added:
+        buffers, accepted, overflow, out_of_range = _row_buffer.offer(
+            buffers, grads, offer.offered, offer.weight, offer.axis_name
+        )
+        arrivals = {
+            "num_overflowed": overflow,
+            "num_out_of_range": jnp.where(accepted, out_of_range, 0),
+        }
+        return Added(buffers, accepted, arrivals)
+
+    def release(buffers: list, grads: list, window: Window) -> list:
+        return [_row_buffer.release(b, window.mean, g) for b, g in zip(buffers, grads, strict=True)]
+
+    return Storage(
+        holds=lambda store: isinstance(store, RowBuffer),
+        empty=lambda param: _row_buffer.empty(param, capacity),
+        check=_check_sparse,
+        finite=lambda g, s: _finite(g, s.slot_of.shape[0]),
+        add=add,
+        release=release,
+        retyped=_same,
+        # A release resets `size` alone; the slots and the map are never cleared.
+        after=lambda b, emit: b._replace(size=jnp.where(emit, 0, b.size)),
+        held=_padding,
+        spendable=False,
+    )
+
+
+__all__ = ["dense_rows", "dense_sum", "row_buffer"]
