@@ -235,7 +235,8 @@ def replicated(tree: Any) -> Any:
             mesh = concrete.mesh
         sums = {k: getattr(sharding.spec, k, None) for k in ("reduced", "unreduced")}
         spec = jax.sharding.PartitionSpec(**{k: v for k, v in sums.items() if v})
-        return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+        # `jax.sharding.reshard`: jax 0.8 has no `jax.reshard`.
+        return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
     return replicated_under_auto(jax.tree.map(whole, tree))
 
