@@ -65,7 +65,12 @@ def plain(tree: Any) -> Any:
 
     def drop(x: Any) -> Any:
         reduced, unreduced = _compat.sum_types(x)
-        return _compat.retyped(x, unreduced=unreduced) if reduced else x
+        if not reduced:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):  # `init` on abstract params
+            spec = jax.sharding.PartitionSpec(*x.sharding.spec.partitions, unreduced=unreduced)
+            return x.update(sharding=x.sharding.update(spec=spec))
+        return _compat.retyped(x, unreduced=unreduced)
 
     return jax.tree.map(drop, tree)
 
