@@ -23,7 +23,7 @@ TPU's interconnect would be, so the time ratios here overstate what a pod gains;
 bytes carry over as they are (`tpu_compiled.py` reads them from TPU programs).
 
 Run from the repository root: `python -m benchmarks.data_parallel` (`--rounds 3` for a
-quick look, `--quick` for tiny layers: a smoke test whose timings mean nothing).
+quick look, `--quick` for 2 tiny layers: a smoke test whose timings mean nothing).
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ try:  # part of the package: python -m benchmarks, the tests
 except ModuleNotFoundError:  # run as a file (see _steps)
     from _steps import Contender, paired, rotations
 
-LAYERS = 8
-SIZES = {"8M": 1024, "quick": 64}  # a layer is WIDTH x WIDTH
+SIZES = {"8M": (8, 1024), "quick": (2, 64)}  # layers, each WIDTH x WIDTH
 EVERY = 8  # gradients per window
 NEVER = 2**30  # a count never reached: every step holds
 PATHS = ("as_reduced", "reduced", "MultiSteps")
@@ -71,7 +70,7 @@ TARGETS = {
 
 def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     h = x
-    for i in range(LAYERS):
+    for i in range(len(params)):
         h = jnp.tanh(h @ params[f"layer{i}"])
     return jnp.mean((h - y) ** 2)
 
@@ -97,10 +96,11 @@ def _step(tx: Any, path: str):
     return step
 
 
-def _inputs(width: int, mesh: Any) -> tuple[dict, tuple]:
-    keys = jax.random.split(jax.random.key(0), LAYERS + 2)
+def _inputs(size: tuple[int, int], mesh: Any) -> tuple[dict, tuple]:
+    layers, width = size
+    keys = jax.random.split(jax.random.key(0), layers + 2)
     params = {
-        f"layer{i}": jax.random.normal(keys[i], (width, width)) / width**0.5 for i in range(LAYERS)
+        f"layer{i}": jax.random.normal(keys[i], (width, width)) / width**0.5 for i in range(layers)
     }
     n = mesh.devices.size
     x = jax.random.normal(keys[-2], (n, width))
@@ -108,9 +108,10 @@ def _inputs(width: int, mesh: Any) -> tuple[dict, tuple]:
     return params, (jax.reshard(x, P("data")), jax.reshard(y, P("data")))
 
 
-def contender(path: str, every: int, width: int, mesh: Any) -> Contender:
-    """The train step of `path`, its params and state placed on `mesh`."""
-    params, batch = _inputs(width, mesh)
+def contender(path: str, every: int, size: tuple[int, int], mesh: Any) -> Contender:
+    """The train step of `path` for `size` (layers, width), its params and state placed
+    on `mesh`."""
+    params, batch = _inputs(size, mesh)
     if path == "as_reduced":
         params = optax_accum.as_reduced(params, "data")
     tx = _tx(path, every)
@@ -127,12 +128,14 @@ def reduced_bytes(c: Contender) -> int:
     return EVERY * every + release
 
 
-def bench(width: int, rounds: int, progress: Any = None) -> dict[str, Any]:
+def bench(size: tuple[int, int], rounds: int, progress: Any = None) -> dict[str, Any]:
     mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-    results: dict[str, Any] = {"width": width, "params": LAYERS * width * width, "rounds": rounds}
+    layers, width = size
+    results: dict[str, Any] = {"layers": layers, "width": width, "rounds": rounds}
+    results["params"] = layers * width * width
     with jax.set_mesh(mesh):
-        contenders = {f"{p} cycle": contender(p, EVERY, width, mesh) for p in PATHS}
-        contenders |= {f"{p} held": contender(p, NEVER, width, mesh) for p in PATHS[:2]}
+        contenders = {f"{p} cycle": contender(p, EVERY, size, mesh) for p in PATHS}
+        contenders |= {f"{p} held": contender(p, NEVER, size, mesh) for p in PATHS[:2]}
         wall: dict[str, list[float]] = {name: [] for name in contenders}
         cpu: dict[str, list[float]] = {name: [] for name in contenders}
         order = list(rotations(list(contenders), rounds))
