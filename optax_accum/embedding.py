@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.extend.core import Literal
 
 from optax_accum import _checks, _row_ids
 from optax_accum.indexed_slices import IndexedSlices
@@ -22,36 +23,47 @@ from optax_accum.indexed_slices import IndexedSlices
 
 def _table_paths(loss_fn: Callable, params: Any, args: tuple, kwargs: dict) -> list:
     """Traces `loss_fn` once (no computation) and returns, per `nn.Embed` call in order,
-    the key path of its table in `params` and the shape of the ids it looked up."""
-    calls: list = []
+    the key path of its table in `params` and the shape of the ids it looked up.
 
-    def probe(params: Any) -> Any:
-        path_of = {id(x): p for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    The trace returns the table each call reads; in the traced program, that output is
+    one of the program's inputs, a leaf of `params`, whose position gives its path. A
+    table computed inside `loss_fn` (transformed, or not a param) is no input, and an
+    error."""
+    calls: list = []
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+
+    def probe(params: Any) -> list:
+        tables: list = []
 
         def record(next_fun: Callable, a: tuple, kw: dict, ctx: Any) -> Any:
             if isinstance(ctx.module, nn.Embed):
                 if ctx.method_name == "attend":
                     raise ValueError(
-                        f"embedding_value_and_grad: nn.Embed at {ctx.module.path} is used by "
-                        "attend() (a dense use of the whole table), so its gradient is not "
-                        "row-sparse; use jax.value_and_grad for this model"
+                        f"embedding_value_and_grad: nn.Embed at {ctx.module.path} is used "
+                        "by attend() (a dense use of the whole table), so its gradient is "
+                        "not row-sparse; use jax.value_and_grad for this model"
                     )
                 if ctx.method_name == "__call__":
-                    path = path_of.get(id(ctx.module.embedding))
-                    if path is None:
-                        raise ValueError(
-                            f"embedding_value_and_grad: the table of nn.Embed at "
-                            f"{ctx.module.path} is not a leaf of the params given (was it "
-                            "transformed inside loss_fn?)"
-                        )
-                    calls.append((path, tuple(jnp.shape(a[0]))))
+                    tables.append(ctx.module.embedding)
+                    calls.append((ctx.module.path, tuple(jnp.shape(a[0]))))
             return next_fun(*a, **kw)
 
         with nn.intercept_methods(record):
-            return loss_fn(params, *args, **kwargs)
+            loss_fn(params, *args, **kwargs)
+        return tables
 
-    jax.eval_shape(probe, params)
-    return calls
+    program = jax.make_jaxpr(probe)(params).jaxpr
+    inputs = dict(zip(program.invars, range(len(program.invars)), strict=True))
+    paths = []
+    for (module_path, ids_shape), table in zip(calls, program.outvars, strict=True):
+        position = None if isinstance(table, Literal) else inputs.get(table)
+        if position is None:
+            raise ValueError(
+                f"embedding_value_and_grad: the table of nn.Embed at {module_path} is not a "
+                "leaf of the params given (was it transformed inside loss_fn?)"
+            )
+        paths.append((flat[position][0], ids_shape))
+    return paths
 
 
 def embedding_value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:

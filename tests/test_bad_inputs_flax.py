@@ -42,6 +42,12 @@ def _embed_loss(params, ids):
     return nn.Embed(10, 2).apply({"params": params}, ids).sum()
 
 
+def _scaled_table_loss(params, ids):
+    """A loss that looks its ids up in twice the table: the gradient of the rows it
+    gathers is not the table's."""
+    return _embed_loss(jax.tree.map(lambda t: 2 * t, params), ids)
+
+
 BAD: list[Bad] = [
     Bad(
         "embedding_value_and_grad/tied table used by attend",
@@ -49,6 +55,15 @@ BAD: list[Bad] = [
         ValueError,
         r"nn\.Embed at \('Embed_0',\) is used by attend\(\).*not row-sparse; use "
         r"jax\.value_and_grad",
+    ),
+    Bad(
+        "embedding_value_and_grad/table transformed inside loss_fn",
+        lambda: optax_accum.embedding_value_and_grad(_scaled_table_loss)(
+            {"embedding": jnp.zeros((10, 2))}, jnp.array([1])
+        ),
+        ValueError,
+        r"the table of nn\.Embed at \(\) is not a leaf of the params given \(was it "
+        r"transformed inside loss_fn\?\)",
     ),
     Bad(
         "embedding_value_and_grad/loss_fn not callable",
