@@ -346,37 +346,55 @@ def _walk(
             yield from _walk(comps, region, (*where, kind), seen)
 
 
+def _listed_groups(attributes: str) -> tuple | None:
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if listed is None:
+        return None
+    groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
+    return tuple(tuple(int(i) for i in g.split(",") if i) for g in groups)
+
+
+def _iota_groups(attributes: str) -> tuple | None:
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if iota is None:
+        return None
+    shape = [int(d) for d in iota.group(1).split(",")]
+    dims = [int(d) for d in iota.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota.group(3):
+        ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
+
+
+def _named_groups(attributes: str) -> tuple | None:
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if named is None:
+        return None
+    axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    grouped = re.findall(r"'(\w+)'", named.group(2))
+    order = [a for a in names if a not in grouped] + grouped
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose([names.index(a) for a in order])
+    size = int(np.prod([sizes[names.index(a)] for a in grouped]))
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
+
+
+def _pairs(attributes: str) -> tuple | None:
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
+    if pairs is None:
+        return None
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+
+
 def replica_groups(attributes: str) -> tuple[tuple[int, ...], ...]:
     """A collective's replica groups, written as a list (`{{0,1},{2,3}}`), as an iota
     (`[2,2]<=[4]`, `[2,2]<=[2,2]T(1,0)`) or over named mesh axes
-    (`mesh['x'=2,'y'=2] {'y'}`); for a permute, its source-target pairs."""
-    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
-    if listed:
-        return tuple(
-            tuple(int(i) for i in g.split(",") if i)
-            for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
-        )
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
-    if iota:
-        shape = [int(d) for d in iota.group(1).split(",")]
-        dims = [int(d) for d in iota.group(2).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
-        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
-    if named:
-        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        grouped = re.findall(r"'(\w+)'", named.group(2))
-        order = [a for a in names if a not in grouped] + grouped
-        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
-        ids = ids.transpose([names.index(a) for a in order])
-        size = int(np.prod([sizes[names.index(a)] for a in grouped]))
-        return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
-    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
-    if pairs:
-        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    (`mesh['x'=2,'y'=2] {'y'}`: devices numbered in the mesh's order, grouped along the
+    named axes); for a permute, its source-target pairs; () where none are written."""
+    for form in (_listed_groups, _iota_groups, _named_groups, _pairs):
+        groups = form(attributes)
+        if groups is not None:
+            return groups
     return ()
 
 
@@ -408,12 +426,10 @@ def _transfer(op: Op, where: tuple[str, ...]) -> Transfer | None:
     )
 
 
-def _indexing(fused: list[Op]) -> tuple[dict[int, int], int | None]:
+def _partial_reads(fused: list[Op]) -> dict[int, int]:
     """For a fusion's computation: the parameters it reads only in part (number ->
-    bytes read: what a gather or slice takes of them, 0 for the buffer a scatter or
-    dynamic-update-slice updates in place), and the bytes its root writes when that
-    is an in-place update (its updates), else None."""
-    by_name = {op.name: op for op in fused}
+    bytes read): what a gather or slice takes of them, 0 for the buffer a scatter or
+    dynamic-update-slice updates in place."""
     params = {op.name: int(op.arguments) for op in fused if op.opcode == "parameter"}
     uses: dict[str, list[tuple[Op, int]]] = {name: [] for name in params}
     for op in fused:
@@ -422,21 +438,27 @@ def _indexing(fused: list[Op]) -> tuple[dict[int, int], int | None]:
                 uses[operand].append((op, position))
     partial = {}
     for name, used in uses.items():
-        if not used or not all(position == 0 for _, position in used):
+        if not used or any(position for _, position in used):
             continue
         if all(op.opcode in _READS_PART for op, _ in used):
             partial[params[name]] = sum(array_bytes(op.result) for op, _ in used)
         elif all(op.opcode in _WRITES_PART for op, _ in used):
             partial[params[name]] = 0
+    return partial
+
+
+def _root_writes(fused: list[Op]) -> int | None:
+    """The bytes a fusion's root writes when it updates a buffer in place (a scatter's
+    or a dynamic-update-slice's updates), else None. The root is printed last."""
     root = fused[-1] if fused else None
-    written = None
-    if root is not None and root.opcode in _WRITES_PART:
-        updates = root.operands[2:] if root.opcode == "scatter" else root.operands[1:2]
-        written = sum(array_bytes(by_name[u].result) for u in updates if u in by_name)
-    return partial, written
+    if root is None or root.opcode not in _WRITES_PART:
+        return None
+    by_name = {op.name: op for op in fused}
+    updates = root.operands[2:] if root.opcode == "scatter" else root.operands[1:2]
+    return sum(array_bytes(by_name[u].result) for u in updates if u in by_name)
 
 
-def _parameter_numbers(comps: dict[str, list[Op]], fusion: Op) -> list[Op]:
+def _fused_ops(comps: dict[str, list[Op]], fusion: Op) -> list[Op]:
     called = _called(fusion)
     return comps.get(called[0], []) if called else []
 
@@ -471,9 +493,9 @@ def _op_bytes(op: Op, types: dict[str, str], comps: dict[str, list[Op]]) -> int:
         updates = reads[2:] if op.opcode == "scatter" else reads[1:2]
         reads[0], written = 0, sum(updates)
     elif op.opcode == "fusion":
-        fused = _parameter_numbers(comps, op)
-        partial, root_writes = _indexing(fused)
-        for number, nbytes in partial.items():
+        fused = _fused_ops(comps, op)
+        root_writes = _root_writes(fused)
+        for number, nbytes in _partial_reads(fused).items():
             if 0 <= number < len(reads):
                 reads[number] = min(reads[number], nbytes)
         if root_writes is not None:
