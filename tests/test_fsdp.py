@@ -510,5 +510,5 @@ def test_sparse_init_outside_set_mesh():
     assert jax.tree.map(lambda x: str(jax.typeof(x)), state) == jax.tree.map(
         lambda x: str(jax.typeof(x)), want
     )
-    assert state.accumulator["w"].touches.sharding.spec == P("fsdp")
+    assert state.storage["w"].touches.sharding.spec == P("fsdp")
     _assert_laid_out_like_params(state, params)
