@@ -101,8 +101,10 @@ def to_checkpoint(tree: Any) -> Any:
     if summed:
         for i, x in zip(summed, _plain_program([leaves[i] for i in summed]), strict=True):
             out[i] = x
-    if all(a is b for a, b in zip(out, leaves, strict=True)):
-        return tree
+    if not summed and not any(
+        isinstance(x, jax.ShapeDtypeStruct) or any(_compat.sum_types(x)) for x in leaves
+    ):
+        return tree  # nothing to retype: the tree itself
     return treedef.unflatten(out)
 
 

@@ -266,6 +266,70 @@ def test_only_branch_chooses_a_form_per_backend():
     assert users == [f"{ROOT_NAME}._branch"]
 
 
+# --------------------------------------------------------------------------- explicit steps
+
+
+def _implicit_channels(tree: ast.AST) -> list[str]:
+    """What passes information around a function's signature: a context variable, a
+    match by identity (`id(...)`, or `is` against anything but None, True, False or an
+    `inspect.Parameter` kind), a walk up the Python call stack."""
+    found = []
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(n.split(".")[0] == "contextvars" or n == "ContextVar" for n in names):
+                found.append(f"{where}: contextvars")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "id":
+            found.append(f"{where}: id()")
+        elif isinstance(node, ast.Attribute) and (
+            node.attr in ("_getframe", "f_back", "currentframe")
+            or (node.attr == "stack" and getattr(node.value, "id", None) == "inspect")
+        ):
+            found.append(f"{where}: {node.attr}")
+        elif isinstance(node, ast.Compare):
+            for op, other in zip(node.ops, node.comparators, strict=True):
+                constant = isinstance(other, ast.Constant) and other.value in (None, True, False)
+                kind = isinstance(other, ast.Attribute) and "Parameter" in ast.unparse(other)
+                if isinstance(op, ast.Is | ast.IsNot) and not (constant or kind):
+                    found.append(f"{where}: {ast.unparse(node)}")
+    return found
+
+
+# The transforms and what they share: the host accumulators (Python objects under a
+# lock, `host/`, `ray/`) and the demo are not steps of a traced program.
+STEP_MODULES = sorted(
+    m for m in TREES if not m.startswith(tuple(f"{ROOT_NAME}.{p}" for p in ("host", "ray", "demo")))
+)
+
+
+@pytest.mark.parametrize("module", STEP_MODULES)
+def test_a_step_gets_what_it_needs_as_arguments(module):
+    """No context variable, no match by identity, no frame walk (issue 36): what an
+    inner transform needs from its wrapper arrives as arguments or return values
+    (`optax_accum._protocol`)."""
+    assert _implicit_channels(TREES[module]) == []
+
+
+def test_the_explicit_step_check_sees_each_channel():
+    code = (
+        "import contextvars\n"
+        "from contextvars import ContextVar\n"
+        "x = id(y)\n"
+        "z = a is b\n"
+        "f = sys._getframe(1).f_back\n"
+        "ok = a is None or p.kind is inspect.Parameter.VAR_KEYWORD\n"
+    )
+    assert [f.split(": ")[1] for f in _implicit_channels(ast.parse(code))] == [
+        "contextvars",
+        "contextvars",
+        "id()",
+        "a is b",
+        "f_back",
+        "_getframe",
+    ]
+
+
 # --------------------------------------------------------------------------- room sizes
 
 MAX_LINES = 600
