@@ -170,9 +170,9 @@ def _struct(shape: tuple, mesh: Any, spec: P, dtype: Any = jnp.float32) -> jax.S
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
-def leaves(size: str, mesh: Any, spec: P) -> dict:
-    """`LEAVES` float32 leaves of the size's shape, each laid out as `spec`."""
-    return {f"layer{i}": _struct(SIZES[size], mesh, spec) for i in range(LEAVES)}
+def leaves(size: str, mesh: Any, spec: P, count: int = LEAVES) -> dict:
+    """`count` float32 leaves of the size's shape, each laid out as `spec`."""
+    return {f"layer{i}": _struct(SIZES[size], mesh, spec) for i in range(count)}
 
 
 def _promotion(name: str) -> Any:
@@ -189,17 +189,21 @@ def _compile(fn: Callable, mesh: Any, args: tuple, donate: tuple, name: str) -> 
 
 
 @functools.cache
-def optimizer_step(name: str, form: str, topology: str, size: str, reduced: bool) -> tpu.Program:
+def optimizer_step(
+    name: str, form: str, topology: str, size: str, reduced: bool, count: int = LEAVES
+) -> tpu.Program:
     """The step of `form` for transform `name`, gradients given, on one slice of
     `topology` (4 chips, a data-parallel mesh). With `reduced`, params typed reduced
     over the data axis and gradients unreduced (the `data` layout; MultiSteps gets
     plain params and all-reduces the gradients itself, as `jax.grad` does for plain
-    params); otherwise both plain and replicated (`replicated`)."""
+    params); otherwise both plain and replicated (`replicated`). `count` leaves of the
+    size's shape (the tests read the collectives of programs of 2 small leaves, which
+    compile in half the time)."""
     mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("data",))
     tx = transform(name)
     ours = name != "MultiSteps"
-    params = leaves(size, mesh, P(None, None, reduced={"data"}) if reduced and ours else P())
-    grads = leaves(size, mesh, P(None, None, unreduced={"data"}) if reduced else P())
+    params = leaves(size, mesh, P(None, None, reduced={"data"}) if reduced and ours else P(), count)
+    grads = leaves(size, mesh, P(None, None, unreduced={"data"}) if reduced else P(), count)
     with jax.set_mesh(mesh), _promotion(name):
         state = jax.eval_shape(tx.init, params)
 
@@ -218,10 +222,10 @@ def floor(topology: str, size: str) -> tpu.Program:
     return _compile(lambda acc, g: jax.tree.map(jnp.add, acc, g), mesh, trees, (0,), "floor")
 
 
-def tree_bytes(size: str) -> int:
+def tree_bytes(size: str, count: int = LEAVES) -> int:
     """Bytes of one params-sized tree."""
     rows, cols = SIZES[size]
-    return LEAVES * rows * cols * 4
+    return count * rows * cols * 4
 
 
 def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:

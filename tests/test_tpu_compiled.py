@@ -16,9 +16,10 @@ leaves), `drop_stale_gradients` around an accumulator, a nest of two accumulator
   floor `acc + g` (3 params-sized trees) with `apply_gradients`, TrainState and NNX,
   and at most 2.1x with the canonical step (whose form must also read and write the
   params: 5 trees at least); one conditional on every step, no loop;
-- data parallel, params typed reduced (`as_reduced`), on TPU v5e and TPU v4: a held
-  step runs no gradient-sized collective, and the release reduces every leaf once
-  (one all-reduce per leaf, or one packed), inside the step's one conditional;
+- data parallel, params typed reduced (`as_reduced`), on TPU v5e and TPU v4 (two
+  leaves of 128 x 64): a held step runs no gradient-sized collective, and the release
+  reduces every leaf once (one all-reduce per leaf, or one packed), inside the step's
+  one conditional;
 - two v5e slices, FSDP within a slice, the sum across slices deferred: a held step
   sends nothing to the other slice, the release crosses once;
 - `agn`: a local step moves nothing, on one slice and across two;
@@ -48,6 +49,7 @@ from benchmarks import tpu_compiled as T  # noqa: E402
 
 BIG = "268M"
 SMALL = "64K"
+SMALL_LEAVES = 2  # the collectives' checks: two leaves of 128 x 64
 pytestmark = pytest.mark.flax  # TrainState and NNX need Flax
 
 
@@ -133,13 +135,13 @@ PAIRS = {
     [(topology, name, form) for topology, pairs in PAIRS.items() for name, form in pairs],
 )
 def test_held_step_reduces_nothing_and_the_release_every_leaf_once(topology, name, form):
-    program = T.optimizer_step(name, form, topology, SMALL, True)
-    leaf = T.tree_bytes(SMALL) // T.LEAVES
-    assert not program.held(min_bytes=leaf), program.held()
+    program = T.optimizer_step(name, form, topology, SMALL, True, SMALL_LEAVES)
+    tree = T.tree_bytes(SMALL, SMALL_LEAVES)
+    assert not program.held(min_bytes=tree // SMALL_LEAVES), program.held()
     released = program.released()
     assert {c.opcode for c in released} == {"all-reduce"}, released
-    assert sum(c.nbytes for c in released) == T.tree_bytes(SMALL), released
-    assert len(released) <= T.LEAVES
+    assert sum(c.nbytes for c in released) == tree, released
+    assert len(released) <= SMALL_LEAVES
     devices = tuple(range(T.devices(topology)))  # every chip (v4: every core) of the slice
     assert all(c.groups == (devices,) for c in released), released
     assert (program.conditionals, program.loops) == (1, 0)
@@ -148,9 +150,9 @@ def test_held_step_reduces_nothing_and_the_release_every_leaf_once(topology, nam
 def test_multisteps_all_reduces_the_gradient_on_every_step():
     """The same data-parallel step with MultiSteps (plain params: `jax.grad`'s
     all-reduce): every leaf reduced on every step."""
-    program = T.optimizer_step("MultiSteps", "canonical", "v5e", SMALL, True)
+    program = T.optimizer_step("MultiSteps", "canonical", "v5e", SMALL, True, SMALL_LEAVES)
     held = program.held()
-    assert sum(c.nbytes for c in held) == T.tree_bytes(SMALL), held
+    assert sum(c.nbytes for c in held) == T.tree_bytes(SMALL, SMALL_LEAVES), held
     assert not program.released()
 
 
