@@ -67,15 +67,8 @@ BIG_CASES = [
     pytest.param("conditional_accumulator", "NNX"),
     pytest.param("sparse_conditional_accumulator", "TrainState"),
     pytest.param("drop_stale", "canonical"),
-    pytest.param(
-        "nest",
-        "apply_gradients",
-        marks=_xfail(
-            "TPU v5e, 268M: the nest's fused step keeps 1,073,741,824 bytes of "
-            "temporaries (a params-sized tree; MultiSteps 134,733,824): the inner "
-            "accumulator's sum is not updated in place inside the outer release"
-        ),
-    ),
+    # Before issue 36's engine, a nest's fused steps kept a params-sized temporary here.
+    pytest.param("nest", "apply_gradients"),
 ]
 # MultiSteps' own step for each form: its apply_gradients and Flax's TrainState are the
 # canonical step (`tx.update`, then `optax.apply_updates`).
