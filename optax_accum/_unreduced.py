@@ -58,8 +58,8 @@ def zeros_like(x: jax.Array) -> jax.Array:
 
 def plain(tree: Any) -> Any:
     """`tree` with every leaf's reduced axes dropped: the params as the inner optimizer
-    sees them (no data moves). A tree with no reduced leaf comes back as the very same
-    object (the fused train step knows its params by identity); None stays None."""
+    sees them (no data moves). A tree with no reduced leaf comes back as it is; None
+    stays None."""
     if tree is None or not any(_compat.sum_types(x)[0] for x in jax.tree.leaves(tree)):
         return tree
 
