@@ -71,7 +71,7 @@ class _Traced:
     selected: tuple[Callable[[Any], Any], Any] | None = None
 
     @classmethod
-    def of(cls, fn: Callable, carry: Any, *, defer: bool = False) -> _Traced:
+    def of(cls, fn: Callable, carry: Any, *, defer: bool = False, inputs: Any = ()) -> _Traced:
         """`fn` traced on `carry`, typed so that it can be run on its own output.
 
         `fn` returns `(updates, new_carry)`. Under `jax.shard_map`, a carry leaf that
@@ -84,11 +84,16 @@ class _Traced:
         Updates that `fn` returns as a `Selection` are kept as one (their predicate in
         their place) when `defer` allows it and `_deferrable`; otherwise they are made
         inside the body.
+
+        `inputs` are values `fn(carry, inputs)` reads and does not return: traced as
+        inputs, they join the consts (operands of either form). A value a body merely
+        closes over becomes a constant of the traced program when it is concrete (an
+        eager call), and an array typed unreduced cannot be one.
         """
         found: list[tuple[Callable[[Any], Any], Any] | None] = [None]
 
-        def deferring(carry: Any) -> Any:
-            updates, new = fn(carry)
+        def deferring(carry: Any, inputs: Any) -> Any:
+            updates, new = fn(carry, inputs)
             found[0] = None
             if isinstance(updates, Selection):
                 if not (defer and _deferrable(updates, new)):
@@ -101,7 +106,9 @@ class _Traced:
         # rather than binding each of its equations again (trace time; XLA inlines it).
         deferring.__name__ = "branch_body"
         for _ in range(4):  # each pass can only add varying axes, so this ends fast
-            closed, out_shapes = jax.make_jaxpr(jax.jit(deferring), return_shape=True)(carry)
+            closed, out_shapes = jax.make_jaxpr(jax.jit(deferring), return_shape=True)(
+                carry, inputs
+            )
             out_tree = jax.tree.structure(out_shapes)
             # The abstract values, not the shapes: they carry the varying mesh axes on
             # every jax (jax 0.8's ShapeDtypeStruct does not).
@@ -109,7 +116,13 @@ class _Traced:
             if not _gains_axes(carry, out[1]):
                 break
             carry = _varying_as(carry, out[1])
-        in_shapes = jax.tree.structure(carry).unflatten(closed.in_avals)
+        n = len(jax.tree.leaves(carry))
+        in_shapes = jax.tree.structure(carry).unflatten(closed.in_avals[:n])
+        jaxpr = closed.jaxpr  # the inputs' variables become constants of the program
+        jaxpr = jaxpr.replace(
+            constvars=[*jaxpr.constvars, *jaxpr.invars[n:]], invars=jaxpr.invars[:n]
+        )
+        closed = ClosedJaxpr(jaxpr, [*closed.consts, *jax.tree.leaves(inputs)])
         return cls(closed, out_tree, out, in_shapes, selected=found[0])
 
     @property
@@ -366,7 +379,7 @@ def apply_if(pred: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
     holds a collective. Not reverse-mode differentiable on the CPU (optimizer updates
     are never differentiated in this library).
     """
-    traced = _Traced.of(lambda c: ((), fn(c)), carry)
+    traced = _Traced.of(lambda c, _: ((), fn(c)), carry)
     return _run_if(pred, traced, carry, held=lambda salted: ())[1]
 
 
@@ -398,9 +411,10 @@ def update_if(
     apply: bool = False,
     defer: bool = False,
     held: Callable[[Any], Any] | None = None,
+    inputs: Any = (),
 ) -> Branched:
-    """`fn(state, params)` (a pair `(updates, new_state)`) when `pred` holds, else
-    `(zeros, state)`, with the zeros shaped like the updates `fn` would return.
+    """`fn(state, params, inputs)` (a pair `(updates, new_state)`) when `pred` holds,
+    else `(zeros, state)`, with the zeros shaped like the updates `fn` would return.
 
     `new_state` is cast back to `state`'s dtypes, so an inner optimizer whose state
     changes dtype with mixed-precision gradients keeps a fixed state. `salt` is a
@@ -410,21 +424,24 @@ def update_if(
     With `apply`, the params travel through the branch and the updates are applied to
     them inside it (`Branched.params`): a held step reads and writes no parameter. With
     `defer` (and no `held`), updates that `fn` returns as a `Selection` of its new
-    state come back as a `Selection` of the returned state.
+    state come back as a `Selection` of the returned state. `inputs` are values `fn`
+    reads and does not change (see `_Traced.of`).
     """
     if apply:
 
-        def applying(operand: tuple) -> tuple:
+        def applying(operand: tuple, inputs: Any) -> tuple:
             state, params = operand
-            updates, state = fn(state, params)
+            updates, state = fn(state, params, inputs)
             return updates, (state, apply_updates(params, updates))
 
-        traced = _Traced.of(applying, (state, params))
+        traced = _Traced.of(applying, (state, params), inputs=inputs)
         updates, (state, params) = _run_if(
             pred, traced, (state, params), _held_zeros(traced, salt, held)
         )
         return Branched(updates, state, params)
-    traced = _Traced.of(lambda s: fn(s, params), state, defer=defer and held is None)
+    traced = _Traced.of(
+        lambda s, inputs: fn(s, params, inputs), state, defer=defer and held is None, inputs=inputs
+    )
     updates, state = _run_if(pred, traced, state, _held_zeros(traced, salt, held))
     return Branched(updates, state)
 
@@ -451,7 +468,7 @@ def release_if(
     `apply`): the caller makes them, or passes the selection on.
     """
 
-    def whole(operand: tuple, params: Any) -> tuple:
+    def whole(operand: tuple, params: Any, _: Any = ()) -> tuple:
         kept, spent = operand
         updates, kept = fn(kept, spent, params)
         if isinstance(updates, Selection):  # of `kept`, read from the operand
@@ -460,7 +477,7 @@ def release_if(
 
     if apply:  # the params travel through the branch instead
         return update_if(pred, whole, (kept, spent), params, salt=salt, apply=True)
-    traced = _Traced.of(lambda operand: whole(operand, params), (kept, spent), defer=True)
+    traced = _Traced.of(lambda operand, _: whole(operand, params), (kept, spent), defer=True)
     if traced.selected is None and _can_spend(pred, traced.out_shapes[0], traced.in_shapes[1]):
         _, operand = _run_if(pred, _Spending(traced), (kept, spent), lambda salted: ())
         return Branched(Selection(pred, lambda operand: operand[1], traced.out_shapes[0]), operand)

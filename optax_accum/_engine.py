@@ -34,7 +34,16 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _branch, _checks, _counters, _extra_args, _protocol, _sums, _unreduced
+from optax_accum import (
+    _branch,
+    _checks,
+    _compat,
+    _counters,
+    _extra_args,
+    _protocol,
+    _sums,
+    _unreduced,
+)
 from optax_accum.indexed_slices import IndexedSlices
 
 # --------------------------------------------------------------------------- accepts
@@ -326,7 +335,8 @@ def accumulate(
         weight_ok=weight_ok,
         rule=_sums.skip_rule(rules.skip_rule, updates, state.global_step, params),
     )
-    added = _added(layout, stores, grads, Offer(gate.offered, w, rules.axis_name, state.emitted))
+    offered = _per_replica(gate.offered, rules.axis_name)
+    added = _added(layout, stores, grads, Offer(offered, w, rules.axis_name, state.emitted))
     arrivals = {
         "count": added.accepted,
         "num_dropped": gate.stale,
@@ -383,12 +393,13 @@ def accumulate(
     else:
         branched = _branch.update_if(
             emit,
-            lambda inner_state, params: release(inner_state, storage, params),
+            lambda inner_state, params, storage: release(inner_state, storage, params),
             state.inner_state,
             params,
             salt=count,
             apply=call.apply,
             held=lambda zeros: _held(layout, zeros, stores),
+            inputs=storage,  # read, not carried: the release does not change it
         )
         inner_state = branched.state
         part = lambda s: s.inner_state  # noqa: E731
@@ -413,6 +424,18 @@ def accumulate(
         params=branched.params,
         read_weight=weight is not None,
     )
+
+
+def _per_replica(flag: jax.Array, axis_name: Any) -> jax.Array:
+    """`flag` typed as each replica's own under `jax.shard_map` over `axis_name`: each
+    replica accepts its own gradient, so what counts it (a dense leaf's per-row counts)
+    is per replica even on a step whose tags happen to be the same everywhere."""
+    if axis_name is None:
+        return flag
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    _checks.require_bound_axis(axis_name)
+    tracked = frozenset(n for n in names if n in _compat.varying_axes(lax.axis_index(n)))
+    return _compat.make_varying(flag, tracked)
 
 
 def _held(layout: _Layout, zeros: Any, stores: list) -> Any:

@@ -210,10 +210,10 @@ def upgrade_checkpoint(saved: Any, like: Any) -> Any:
       >>> import jax.numpy as jnp, numpy as np, optax, optax_accum
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
       >>> like = tx.init(jnp.zeros(2))
-      >>> saved = {name: np.asarray(0) for name in ("global_step", "count", "num_dropped",
+      >>> saved = {name: np.int32(0) for name in ("global_step", "num_dropped",
       ...     "num_nonfinite", "num_skipped")}  # a state written by optax_accum 0.1.0
-      >>> saved.update(weight_sum=np.float32(1), emitted=np.asarray(False),
-      ...     accumulator=np.array([3.0, 4.0], np.float32), inner_state=[{}, {}], count=1)
+      >>> saved.update(count=np.int32(1), weight_sum=np.float32(1), emitted=np.False_,
+      ...     accumulator=np.array([3.0, 4.0], np.float32), inner_state=[{}, {}])
       >>> state = optax_accum.upgrade_checkpoint(saved, like)
       >>> optax_accum.accumulated(state), int(optax_accum.num_accumulated(state))
       (Array([3., 4.], dtype=float32), 1)

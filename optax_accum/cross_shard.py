@@ -42,6 +42,23 @@ def _check_per_replica(where: str, leaf: Any, axis_name: Any) -> None:
             )
 
 
+def _reject_unreduced(updates: Any) -> None:
+    """A clear error for gradients typed unreduced (params typed reduced, under
+    `jax.jit`): there the mesh reduces them, no axis is bound by name."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        axes = _compat.sum_types(leaf)[1]
+        if axes:
+            raise TypeError(
+                f"cross_shard cannot average updates{jax.tree_util.keystr(path)}, typed "
+                f"unreduced over {sorted(axes)} ({jax.typeof(leaf)}: its param is typed "
+                "reduced, under jax.jit): there the mesh axes are reduced by a reshard, "
+                "not by name. Accumulate them instead (conditional_accumulator keeps the "
+                "sum unreduced and reduces it once a window), reduce the gradients first "
+                "(differentiate plain params), or run the step under jax.shard_map with "
+                "per-replica gradients"
+            )
+
+
 # --------------------------------------------------------------------------- packing
 
 
@@ -170,6 +187,7 @@ def cross_shard(
         if not call.checked:
             _extra_args.warn_misspelled(extra_args)
         del params, extra_args
+        _reject_unreduced(updates)
         _checks.require_bound_axis(axis_name)
         if groups is not None:
             _collectives.check_group_assignment_size(groups, axis_name)

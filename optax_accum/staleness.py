@@ -214,7 +214,7 @@ def drop_stale_gradients(
             _reject_unreduced(updates)
             reads: list = []
 
-            def run(inner_state, params):
+            def run(inner_state, params, _):
                 inner_call = _protocol.Call(defer=not call.apply)
                 result = _protocol.call_inner(
                     inner, updates, inner_state, params, inner_call, **extra_args

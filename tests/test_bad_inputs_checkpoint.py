@@ -1,4 +1,5 @@
-"""Malformed calls to to_checkpoint and from_checkpoint get a clear error.
+"""Malformed calls to to_checkpoint, from_checkpoint and upgrade_checkpoint get a clear
+error.
 
 Each entry of BAD is one malformed call; tests/_bad_inputs.py says what a clear error
 is and holds the fixtures every table shares.
@@ -54,6 +55,15 @@ BAD: list[Bad] = [
         lambda: optax_accum.from_checkpoint({"w": jnp.zeros(3, jnp.int32)}, {"w": jnp.zeros(3)}),
         ValueError,
         r"saved\['w'\] must have like\['w'\]'s shape and dtype float32\[3\], got int32\[3\]",
+    ),
+    Bad(
+        "upgrade_checkpoint/a field the checkpoint lacks",
+        lambda: optax_accum.upgrade_checkpoint(
+            {"global_step": 0},
+            optax_accum.drop_stale_gradients(optax.sgd(1.0), 0).init(jnp.zeros(2)),
+        ),
+        ValueError,
+        r"the checkpoint holds no tree\['num_dropped'\] \(nor \[\]\)",
     ),
 ]
 

@@ -39,7 +39,6 @@ import orbax.checkpoint as ocp
 import pytest
 from _cases import lenient
 from _hlo import collectives
-from jax._src.core import ShardingTypeError
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -73,15 +72,10 @@ KINDS = {
     "agn_in_accumulator": lambda: optax_accum.conditional_accumulator(
         optax_accum.agn(optax.sgd(0.1), 2), 2
     ),
-    "agn": lambda: optax_accum.agn(optax.sgd(0.1), 2),
 }
-# agn's step on params typed reduced raises inside JAX on jax 0.10.2 (issue 36, item 6:
-# `ShardingTypeError: LHS should be reduced along the same axes RHS is unreduced on`,
-# or `ValueError: Using pspec[...] is dangerous`; jax exports neither error's class).
-# When it runs, its row fails as an unexpected pass: remove the mark, and check the
-# row's split points (an AGN round's).
-NOT_YET = {"agn": "agn's step on params typed reduced (issue 36, item 6)"}
-INSIDE_JAX = (ValueError, ShardingTypeError)
+# agn alone refuses params typed reduced at init (a TypeError that says what to do,
+# tests/test_every_layout.py): each local step applies the worker's own gradient, so
+# there is no sum to defer. Inside an accumulator (above) it runs on plain params.
 
 
 @pytest.fixture(autouse=True)
@@ -207,15 +201,7 @@ def _assert_saved_plain_true_values(tree, saved) -> None:
         np.testing.assert_allclose(np.asarray(got), _true_value(x), rtol=1e-13)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, raises=INSIDE_JAX, reason=NOT_YET[k]))
-        if k in NOT_YET
-        else k
-        for k in KINDS
-    ],
-)
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_saved_mid_window_and_after_a_release_restore_and_continue(kind, tmp_path):
     tx = KINDS[kind]()
     with jax.set_mesh(_mesh("data")):
