@@ -39,6 +39,7 @@ from optax_accum.ray._spec import NAMESPACE, Options
 _ANSWER_SLACK = 30.0
 # How long a call is repeated while Ray reports the actor temporarily unavailable.
 _RETRY_FOR = 60.0
+_KILL_WAIT = 10.0  # seconds `kill()` waits for Ray to report the actor dead
 _LIFETIMES = (None, "detached", "non_detached")
 
 
@@ -336,9 +337,20 @@ class RayAccumulator:
         return self._call("cancel_waiting_takes")
 
     def kill(self) -> None:
-        """Ends the actor (and the accumulator, for every process sharing it); its
-        checkpoint stays on disk, for a new accumulator given the same directory."""
+        """Ends the actor (and the accumulator, for every process sharing it), and waits
+        (up to 10 s) until Ray reports it dead, so that its name and checkpoint_dir are
+        free when this returns; the checkpoint stays on disk, for a new accumulator
+        given the same directory."""
         ray.kill(self._actor, no_restart=True)
+        deadline = time.monotonic() + _KILL_WAIT
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self._actor.pid.remote(), timeout=RENEW_EVERY)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError:
+                return
+            time.sleep(0.02)
 
     def __repr__(self) -> str:
         if self._spec.tree is None:
