@@ -412,6 +412,7 @@ def update_if(
     defer: bool = False,
     held: Callable[[Any], Any] | None = None,
     inputs: Any = (),
+    carried: Any = None,
 ) -> Branched:
     """`fn(state, params, inputs)` (a pair `(updates, new_state)`) when `pred` holds,
     else `(zeros, state)`, with the zeros shaped like the updates `fn` would return.
@@ -422,22 +423,44 @@ def update_if(
     the zero updates to what a held step returns (e.g. padding row ids).
 
     With `apply`, the params travel through the branch and the updates are applied to
-    them inside it (`Branched.params`): a held step reads and writes no parameter. With
+    them inside it (`Branched.params`): a held step reads and writes no parameter.
+    `carried` (a tree of bools like the params; None: all) says which leaves travel so;
+    the others get the branch's updates applied after it (a table updated by
+    `IndexedSlices` rows, whose held updates touch no row: carried through the branch,
+    TPU's compiler may give the table a layout of its own there, and copy it). With
     `defer` (and no `held`), updates that `fn` returns as a `Selection` of its new
     state come back as a `Selection` of the returned state. `inputs` are values `fn`
     reads and does not change (see `_Traced.of`).
     """
     if apply:
+        leaves, treedef = jax.tree.flatten(params)
+        through = [True] * len(leaves) if carried is None else treedef.flatten_up_to(carried)
+
+        def applied(params: list, updates: Any, which: bool) -> list:
+            """`params` (the leaves `through` marks `which`) plus their updates."""
+            ups = [
+                u
+                for u, t in zip(treedef.flatten_up_to(updates), through, strict=True)
+                if t is which
+            ]
+            return [apply_updates(p, u) for p, u in zip(params, ups, strict=True)]
+
+        def merged(inside: list, outside: list) -> Any:
+            inside, outside = iter(inside), iter(outside)
+            return treedef.unflatten([next(inside) if t else next(outside) for t in through])
+
+        outside = [p for p, t in zip(leaves, through, strict=True) if not t]
 
         def applying(operand: tuple, inputs: Any) -> tuple:
-            state, params = operand
-            updates, state = fn(state, params, inputs)
-            return updates, (state, apply_updates(params, updates))
+            state, inside = operand
+            updates, state = fn(state, merged(inside, outside), inputs)
+            return updates, (state, applied(inside, updates, True))
 
-        traced = _Traced.of(applying, (state, params), inputs=inputs)
-        updates, (state, params) = _run_if(
-            pred, traced, (state, params), _held_zeros(traced, salt, held)
-        )
+        operand = (state, [p for p, t in zip(leaves, through, strict=True) if t])
+        traced = _Traced.of(applying, operand, inputs=inputs)
+        updates, (state, inside) = _run_if(pred, traced, operand, _held_zeros(traced, salt, held))
+        # The leaves not carried take the branch's updates after it (padding when held).
+        params = merged(inside, applied(outside, updates, False))
         return Branched(updates, state, params)
     traced = _Traced.of(
         lambda s, inputs: fn(s, params, inputs), state, defer=defer and held is None, inputs=inputs

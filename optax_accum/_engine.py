@@ -140,6 +140,10 @@ class Storage(NamedTuple):
       held: `zero update leaf -> update leaf`, what a held step returns for this kind.
       spendable: whether the released updates may travel in the stores' buffers (a
         dense sum, which the next step restarts).
+      carries_params: whether the fused step (`apply_gradients`) carries this leaf's
+        param through the release branch, so that a held step touches it not at all,
+        or applies its update after the branch (a row buffer's: on a held step, padding
+        rows, which touch no row of the table).
     """
 
     holds: Callable[[Any], bool]
@@ -152,6 +156,7 @@ class Storage(NamedTuple):
     after: Callable[[Any, jax.Array], Any]
     held: Callable[[Any], Any]
     spendable: bool
+    carries_params: bool = True
 
 
 def _is_slices(x: Any) -> bool:
@@ -400,6 +405,9 @@ def accumulate(
             apply=call.apply,
             held=lambda zeros: _held(layout, zeros, stores),
             inputs=storage,  # read, not carried: the release does not change it
+            carried=jax.tree.unflatten(
+                layout.treedef, [layout.kinds[k].carries_params for k in layout.of]
+            ),
         )
         inner_state = branched.state
         part = lambda s: s.inner_state  # noqa: E731

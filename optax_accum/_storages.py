@@ -197,6 +197,7 @@ def row_buffer(capacity: int) -> Storage:
         after=lambda b, emit: b._replace(size=jnp.where(emit, 0, b.size)),
         held=_padding,
         spendable=False,
+        carries_params=False,  # a table is updated after the branch, by its rows alone
     )
 
 
