@@ -22,6 +22,8 @@ import gc
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -307,6 +309,25 @@ def test_a_handle_that_would_start_a_second_accumulator_in_another_namespace_war
         same = oray.ConditionalAccumulator(np.float32, (2,), "namespaced", namespace="elsewhere")
     assert same.apply_grad(np.ones(2, np.float32)) and acc.num_accumulated() == 0
     acc.kill(), other.kill()
+
+
+def test_another_driver_reaches_a_named_accumulator_whatever_its_own_namespace():
+    """A second driver (another job, started in its own Ray namespace) builds the
+    handle by name, naming no namespace: it reaches this job's accumulator, since named
+    accumulators live in the "optax_accum" namespace, not the job's."""
+    acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name="two-drivers")
+    code = (
+        "import numpy as np, ray, optax_accum.ray as oray\n"
+        f"ray.init(address={ray.get_runtime_context().gcs_address!r}, namespace='job-two')\n"
+        "acc = oray.ConditionalAccumulator(np.float32, shape=(2,), shared_name='two-drivers')\n"
+        "print(acc.apply_grad(np.ones(2, np.float32)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT, check=True
+    )
+    assert out.stdout.split()[-1] == "True"
+    assert acc.num_accumulated() == 1
+    acc.kill()
 
 
 def test_cancel_waiting_takes_releases_the_takes_of_every_process(processes):
