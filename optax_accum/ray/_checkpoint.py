@@ -9,8 +9,9 @@ The directory holds:
 - `spec.json`: the accumulator's name and spec: an accumulator of another name or
   spec is refused even when the first is gone;
 - `state.json`: the global step, the number of the current batch's first gradient,
-  each client's last push (so a retried push is not counted twice after a restart),
-  and each client's last take (its number and the gradients it was handed);
+  the last push of each client heard since the save before (so a retried push is not
+  counted twice after a restart), and each client's last take (its number and the
+  gradients it was handed);
 - `grad-<n>.pkl`: accepted gradient n (its client, number, weight and arrays).
 
 Every file is written whole to a temporary name, synced, then renamed: a crash leaves
@@ -186,6 +187,7 @@ class Log:
             "clients": clients.state(),
         }
         _write_atomically(self.directory / _STATE, json.dumps(state).encode())
+        clients.saved()
 
     def taken(self, new_step: int, owner: tuple[str, int] | None, clients: Any) -> None:
         """Saves the step after a take, and which gradients the take's client was

@@ -35,13 +35,17 @@ class Clients:
 
     A client is one handle in one thread, so its pushes come one at a time and its
     numbers only grow: a number not above the last is a push seen before. The table
-    keeps the `limit` most recently heard clients.
+    keeps the `limit` most recently heard clients. The checkpoint keeps only those
+    heard since it last saved the table (`state`, `saved`): an earlier push was
+    answered before that save, or is in the log's current batch, which a restarted
+    actor replays (so a retry of it is known again).
     """
 
     limit = 100_000
 
     def __init__(self) -> None:
         self._last: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
+        self._recent: set[str] = set()
 
     def answer(self, client: str, seq: int) -> bool | None:
         """The answer already given to push `seq` of `client`, or None if it is new. An
@@ -55,11 +59,16 @@ class Clients:
     def remember(self, client: str, seq: int, answer: bool) -> None:
         self._last[client] = (seq, answer)
         self._last.move_to_end(client)
+        self._recent.add(client)
         while len(self._last) > self.limit:
-            self._last.popitem(last=False)
+            self._recent.discard(self._last.popitem(last=False)[0])
 
     def state(self) -> dict[str, list]:
-        return {client: [seq, answer] for client, (seq, answer) in self._last.items()}
+        """The clients heard since the last `saved`, for the checkpoint."""
+        return {client: list(self._last[client]) for client in self._recent}
+
+    def saved(self) -> None:
+        self._recent.clear()
 
     def load(self, state: dict[str, list]) -> None:
         for client, (seq, answer) in state.items():
