@@ -1,0 +1,245 @@
+"""The wire format of a cross-replica sum: what a reduction sends, and in which type.
+
+`reduced(tree, axis_name, communication_dtype=...)` sums (or averages) every leaf of
+`tree` over a mapped axis (`jax.pmap`, `jax.shard_map`, `jax.vmap`; a tuple of names
+too). Without a `communication_dtype` it is `lax.psum`. With a narrow one the values
+travel narrow and are never summed narrow:
+
+1. every leaf is flattened, padded to whole blocks of `BLOCK` (256) values, and the
+   blocks of all leaves are laid end to end (a block never spans two leaves) and
+   padded to a whole number of blocks per replica;
+2. each block is encoded on its own: int8 and float8 (`jnp.float8_e4m3fn`) as
+   `round(x / scale)` with a float32 `scale = max|block| / qmax` (127, 448), sent
+   with the scale beside it (its 4 bytes, bitcast, so one collective carries both);
+   bfloat16 as it is, without scales;
+3. one all-to-all gives replica r the r-th share of every replica's blocks; it decodes
+   them to float32 and sums them there, in float32 (divides by the replica count for
+   a mean), then encodes the share's sum (new scales) and one all-gather hands every
+   replica every share. All replicas decode the same bytes: the result is the same
+   bits everywhere.
+
+Error (against the exact sum, per value of a block): int8 rounds each replica's value
+to within `scale / 2 = max|block| / 254`, and the sum once more to within its own
+block's `max / 254`; float8 e4m3 keeps 3 mantissa bits, a relative error of at most
+1/16 per rounding (and `scale / 1024` absolute near zero); bfloat16 8 bits, 1/256. So
+the error of a sum of n replicas is at most the n first roundings plus the last one.
+A NaN or Inf spreads to its block (its scale is not finite); a block whose largest
+value is below about 1e-36 (a float32 scale that underflows) sends zeros.
+
+Cost: per device, a ring all-reduce of float32 moves `2 (n-1)/n * 4` bytes a value;
+the all-to-all and the all-gather move `(n-1)/n * (1 + 4/256)` each for int8 and
+float8, `(n-1)/n * 2` each for bfloat16: 1/3.94 and 1/2 of float32's, less the
+padding (a leaf's last block, and up to n-1 blocks to share the blocks evenly).
+Read from compiled programs in tests/test_wire.py and docs/guide.md, "Quantized
+releases".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_accum import _collectives, _compat
+
+BLOCK = 256  # values per scale: 4 bytes of scale for 256 of payload (1.6%)
+
+# The narrow types, with the largest encoded magnitude (None: sent without scales).
+_QMAX = {
+    np.dtype(jnp.int8): 127.0,
+    np.dtype(jnp.float8_e4m3fn): 448.0,
+    np.dtype(jnp.bfloat16): None,
+}
+_NAMES = "None, jnp.float32, jnp.bfloat16, jnp.int8 or jnp.float8_e4m3fn"
+
+
+def wire_dtype(name: str, value: Any) -> np.dtype | None:
+    """Checks a `communication_dtype` argument: None (or float32: a plain `psum`),
+    bfloat16, int8 or float8_e4m3fn, as a dtype or its name. Returns the narrow dtype,
+    or None for a plain `psum`.
+
+    Raises:
+      TypeError: for a value that is no dtype; ValueError for a dtype not listed.
+    """
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{name} must be {_NAMES}, got {value!r} ({type(value).__name__})") from e
+    if dtype == np.dtype(np.float32):
+        return None
+    if dtype not in _QMAX:
+        raise ValueError(
+            f"{name} must be {_NAMES}, got {dtype}: float16 overflows where float32 "
+            "gradients do not, and a sum is never taken in the narrow type (use bfloat16)"
+        )
+    return dtype
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _encoded(blocks: jax.Array, dtype: np.dtype) -> jax.Array:
+    """float32 `(..., BLOCK)` blocks as bytes: `(..., BLOCK + 4)` uint8, each block's
+    values in `dtype` then its float32 scale; bfloat16 `(..., BLOCK)` as uint16 (XLA:CPU
+    would move a bfloat16 collective in float32)."""
+    qmax = _QMAX[dtype]
+    if qmax is None:
+        return lax.bitcast_convert_type(blocks.astype(dtype), jnp.uint16)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    scale = amax / jnp.float32(qmax)
+    safe = jnp.where(scale > 0, scale, jnp.ones((), jnp.float32))
+    x = jnp.clip(blocks / safe, -qmax, qmax)
+    values = jnp.round(x).astype(jnp.int8) if dtype == np.dtype(jnp.int8) else x.astype(dtype)
+    as_bytes = lax.bitcast_convert_type(values, jnp.uint8)
+    scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape((*scale.shape[:-1], 4))
+    return jnp.concatenate([as_bytes, scale_bytes], axis=-1)
+
+
+def _decoded(sent: jax.Array, dtype: np.dtype) -> jax.Array:
+    """`_encoded`'s blocks back in float32."""
+    if _QMAX[dtype] is None:
+        return lax.bitcast_convert_type(sent, dtype).astype(jnp.float32)
+    values = lax.bitcast_convert_type(sent[..., :BLOCK], dtype).astype(jnp.float32)
+    scale = lax.bitcast_convert_type(sent[..., BLOCK:], jnp.float32)
+    return values * scale[..., None]
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def _packed(leaves: list) -> tuple[jax.Array, Callable[[jax.Array], list]]:
+    """The leaves' values as float32 blocks `(num_blocks, BLOCK)`, each leaf padded to
+    whole blocks, and the function that cuts a `(num_blocks, BLOCK)` array back into
+    leaves (their shapes and dtypes)."""
+    sizes = [int(np.prod(jnp.shape(x))) for x in leaves]
+    counts = [-(-s // BLOCK) for s in sizes]
+    parts = []
+    for x, size, count in zip(leaves, sizes, counts, strict=True):
+        flat = jnp.ravel(x).astype(jnp.float32)
+        parts.append(jnp.pad(flat, (0, count * BLOCK - size)))
+    blocks = jnp.concatenate(parts).reshape(-1, BLOCK)
+
+    def unpacked(out: jax.Array) -> list:
+        flat, start, result = out.reshape(-1), 0, []
+        for x, size, count in zip(leaves, sizes, counts, strict=True):
+            result.append(flat[start : start + size].reshape(jnp.shape(x)).astype(x.dtype))
+            start += count * BLOCK
+        return result
+
+    return blocks, unpacked
+
+
+def _narrow_sum(leaves: list, axis_name: Any, dtype: np.dtype, mean: bool) -> list:
+    """The leaves summed (averaged) over `axis_name` through `dtype`: all-to-all,
+    float32 sum, all-gather (see the module docstring)."""
+    n = _collectives.axis_size(axis_name)
+    blocks, unpacked = _packed(leaves)
+    share = -(-blocks.shape[0] // n)
+    blocks = jnp.pad(blocks, ((0, share * n - blocks.shape[0]), (0, 0)))
+    sent = _encoded(blocks, dtype).reshape(n, share, -1)
+    names = frozenset(_collectives.names(axis_name))
+    if names <= set(jax.sharding.get_abstract_mesh().manual_axes):
+        sent = _compat.make_varying(sent, names)  # an invariant value is each replica's own
+    got = lax.all_to_all(sent, axis_name, 0, 0)  # got[j]: replica j's r-th share
+    total = jnp.sum(_decoded(got, dtype), axis=0)
+    if mean:
+        total = total / jnp.float32(n)
+    gathered = _collectives.all_gather(_encoded(total, dtype), axis_name, invariant=True)
+    return unpacked(_decoded(gathered.reshape(n * share, -1), dtype))
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def reduced(
+    tree: Any, axis_name: Any, *, communication_dtype: Any = None, mean: bool = False
+) -> Any:
+    """Every leaf of `tree` summed (with `mean`, averaged) over the mapped axis
+    `axis_name` (a name or a tuple of names), the same on every replica.
+
+    `communication_dtype` None (or float32) is `lax.psum` (XLA may pack the leaves' into
+    one all-reduce). bfloat16, int8 or float8_e4m3fn send the values in that type (int8
+    and float8 with a float32 scale per block of `BLOCK` values), sum them in float32
+    and send the sum back the same way: one all-to-all and one all-gather for the whole
+    tree. The leaves come back in their own dtypes. The module docstring gives the error
+    and the bytes.
+    """
+    dtype = wire_dtype("communication_dtype", communication_dtype)
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    if dtype is None:
+        out = lax.psum(leaves, axis_name)
+        if mean:
+            n = _collectives.axis_size(axis_name)
+            out = [x / jnp.asarray(n, x.dtype) for x in out]
+        return treedef.unflatten(out)
+    return treedef.unflatten(_narrow_sum(leaves, axis_name, dtype, mean))
+
+
+def unreduced_total(tree: Any, *, communication_dtype: Any = None) -> Any:
+    """Every leaf of `tree` typed unreduced over mesh axes (`jax.jit` with explicit
+    sharding: each device holds a partial sum) reduced to the plain type, the wire in
+    `communication_dtype`; leaves not typed unreduced come back as they are.
+
+    None (or float32) is the reshard that all-reduces each leaf. A narrow type runs
+    `reduced` over the leaf's unreduced axes inside a `jax.shard_map` over the whole
+    mesh (jax 0.10 takes unreduced specs in full manual mode only), each device holding
+    its shard of the partial sum; one map per set of unreduced axes.
+    """
+    dtype = wire_dtype("communication_dtype", communication_dtype)
+    leaves, treedef = jax.tree.flatten(tree)
+    out = list(leaves)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        axes = _compat.sum_types(x)[1]
+        if axes:
+            groups.setdefault(axes, []).append(i)
+    for axes, at in groups.items():
+        if dtype is None:
+            for i in at:
+                out[i] = _compat.retyped(leaves[i], reduced=_compat.sum_types(leaves[i])[0])
+            continue
+        for i, x in zip(at, _manual_narrow_sum([leaves[i] for i in at], axes, dtype), strict=True):
+            out[i] = x
+    return treedef.unflatten(out)
+
+
+def _manual_narrow_sum(leaves: list, axes: frozenset, dtype: np.dtype) -> list:
+    """`_narrow_sum` over the mesh axes `axes` of leaves typed unreduced over them, in a
+    `jax.shard_map` over the whole mesh (its vma checks off: inside, each device's
+    block is its partial sum, not yet typed so on jax 0.10)."""
+    mesh = _compat.explicit_sharding(jax.typeof(leaves[0])).mesh
+    specs = [jax.typeof(x).sharding.spec for x in leaves]
+    in_specs = [
+        jax.sharding.PartitionSpec(*s.partitions, unreduced=s.unreduced, reduced=s.reduced)
+        for s in specs
+    ]
+    out_specs = [jax.sharding.PartitionSpec(*s.partitions) for s in specs]
+    order = tuple(a for a in mesh.axis_names if a in axes)
+    names = order[0] if len(order) == 1 else order
+
+    def body(*local: jax.Array) -> list:
+        return _narrow_sum(list(local), names, dtype, False)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=out_specs,
+        axis_names=set(mesh.axis_names),
+        check_vma=False,
+    )
+    return [
+        _compat.retyped(x, reduced=s.reduced) if s.reduced else x
+        for x, s in zip(mapped(*leaves), specs, strict=True)
+    ]
+
+
+__all__ = ["BLOCK", "reduced", "unreduced_total", "wire_dtype"]
