@@ -137,13 +137,17 @@ def _add(
     )
 
 
-def release(acc: DenseRows, mean: bool, like: Any, axis_name: Any) -> jax.Array:
+def release(
+    acc: DenseRows, mean: bool, like: Any, axis_name: Any, *, total: Any = None
+) -> jax.Array:
     """A dense leaf released: summed over `axis_name`, each row divided by its weight
     sum if `mean` (by the number of accepted gradients, when all of them were dense and
-    unweighted)."""
-    total, weights = _unreduced.reduced_sum(acc.values), acc.weights  # the one all-reduce
-    if axis_name is not None:
-        total = lax.psum(total, axis_name)
+    unweighted). `total`: the values already reduced (a narrow wire's), or None."""
+    weights = acc.weights
+    if total is None:
+        total = _unreduced.reduced_sum(acc.values)  # the one all-reduce
+        if axis_name is not None:
+            total = lax.psum(total, axis_name)
     if mean:
         if axis_name is not None:
             weights = lax.psum(weights, axis_name)

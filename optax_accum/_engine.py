@@ -8,7 +8,8 @@ Every optax_accum transform that holds gradients back does the same four things,
 - **sums**: each param leaf keeps its running sum in a storage kind, a `Storage`
   record of functions (as optax's microbatching `Accumulator` records are): a dense
   sum (typed unreduced where its param is typed reduced), a row buffer for a sparse
-  table, dense rows counting each row. The engine is given the kinds a transform uses;
+  table, dense rows counting each row, a running max or min. The engine is given the
+  kinds a transform uses, and for each leaf whether its release is a mean;
   `_storages` defines them.
 - **counts** (`counted`, `tallied`): a step's arrivals are int32 counts keyed by the
   state's field names (`count`, `num_dropped`, ...), summed over `axis_name` in one
@@ -110,10 +111,11 @@ class Added(NamedTuple):
 
 
 class Window(NamedTuple):
-    """What a release knows besides the stores: the reduction, the window's weight sum
-    (for the kinds that keep none of their own) and the replicas' axis."""
+    """What a release knows besides the stores: whether each leaf handed to the kind is
+    released as a mean (in the order of its stores), the window's weight sum (for the
+    kinds that keep none of their own) and the replicas' axis."""
 
-    mean: bool
+    means: tuple[bool, ...]
     weight_sum: jax.Array
     axis_name: Any
 
@@ -228,9 +230,12 @@ def _released(layout: _Layout, stores: list, grads: list, window: Window) -> lis
     """Every kind's aggregate, leaf by leaf in tree order (see `Storage.release`)."""
     out: list[Any] = [None] * len(stores)
     for kind, at in layout.by_kind(stores):
+        means = tuple(window.means[j] for j in at)
         for j, a in zip(
             at,
-            kind.release([stores[j] for j in at], [grads[j] for j in at], window),
+            kind.release(
+                [stores[j] for j in at], [grads[j] for j in at], window._replace(means=means)
+            ),
             strict=True,
         ):
             out[j] = a
@@ -273,11 +278,15 @@ def tallied(counters: Any, counts: Mapping[str, jax.Array]) -> dict[str, jax.Arr
 
 class Rules(NamedTuple):
     """What an accumulating transform hands the engine: its `inner`, when to release,
-    the reduction, the replicas' axis, which gradients to skip, and its storage kinds."""
+    the reduction, the replicas' axis, which gradients to skip, and its storage kinds.
+
+    `means(updates)` says, for each leaf of a gradient (in its leaf order, an
+    `IndexedSlices` whole), whether it is released as a mean; a leaf that combines by
+    max or min has a storage kind of its own, which reads nothing from it."""
 
     inner: optax.GradientTransformation
     required: Callable[[jax.Array], jax.Array]
-    mean: bool
+    means: Callable[[Any], tuple[bool, ...]]
     axis_name: Any
     skip_nonfinite: bool
     skip_rule: Callable[..., Any] | None
@@ -366,7 +375,7 @@ def accumulate(
     # unreduced): made in the release, not selected after it from the inner's buffers.
     retyped = any(_unreduced.unreduced_axes(x) for x in jax.tree.leaves(storage))
     spendable = all(layout.kinds[k].spendable for k in layout.of)
-    window = Window(rules.mean, weight_sum, rules.axis_name)
+    window = Window(tuple(rules.means(updates)), weight_sum, rules.axis_name)
 
     def release(inner_state: Any, storage: Any, params: Any) -> tuple:
         stores = layout.stores(storage)

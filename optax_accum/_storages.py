@@ -2,12 +2,19 @@
 
 Each kind is a `_engine.Storage` record of functions over its own machinery:
 
-- `dense_sum(accumulator_dtype)`: an array like the param (`_sums`; typed unreduced
-  over the axes a reduced param is, `_unreduced`), restarted lazily after a release,
-  whose buffers may carry the released updates. `conditional_accumulator`'s leaves.
-- `dense_rows()`: a dense leaf of `sparse_conditional_accumulator`, which also counts
-  the gradients that touched each row (`_dense_rows`).
+- `dense_sum(accumulator_dtype, communication_dtype)`: an array like the param
+  (`_sums`; typed unreduced over the axes a reduced param is, `_unreduced`), restarted
+  lazily after a release, whose buffers may carry the released updates.
+  `conditional_accumulator`'s leaves.
+- `dense_rows(communication_dtype)`: a dense leaf of `sparse_conditional_accumulator`,
+  which also counts the gradients that touched each row (`_dense_rows`).
 - `row_buffer(capacity)`: a sparse leaf, up to `capacity` distinct rows (`_row_buffer`).
+- `extremum(how, accumulator_dtype)`: a leaf whose reduction is "max" or "min", its
+  running max (min) in a `RunningMax` (`RunningMin`), restarted lazily (`_extrema`).
+
+A release reduces the replicas' (or, under `jax.jit`, the devices' unreduced) sums
+once; with a `communication_dtype` the values travel in it (`_wire`), the counts and
+weights beside them exactly.
 
 A new kind is one more record here, and a state field for each counter it reports.
 """
@@ -20,7 +27,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _checks, _dense_rows, _row_buffer, _row_ids, _sums, _unreduced
+from optax_accum import (
+    _checks,
+    _dense_rows,
+    _extrema,
+    _row_buffer,
+    _row_ids,
+    _sums,
+    _unreduced,
+    _wire,
+)
 from optax_accum._dense_rows import DenseRows
 from optax_accum._engine import Added, Offer, Storage, Window
 from optax_accum._row_buffer import RowBuffer
@@ -76,9 +92,23 @@ def _is_array(x: Any) -> bool:
 # --------------------------------------------------------------------------- dense sums
 
 
-def dense_sum(accumulator_dtype: Any = None) -> Storage:
+def _reduced_values(values: list, axis_name: Any, wire: Any) -> list:
+    """Running sums reduced once: each unreduced one over its mesh axes, then all over
+    `axis_name`; in `wire` (`_wire`) when it is given, else by all-reduces of their own
+    dtypes (XLA may pack them into one)."""
+    if wire is None:
+        totals = [_unreduced.reduced_sum(v) for v in values]
+        return lax.psum(totals, axis_name) if axis_name is not None else totals
+    totals = _wire.unreduced_total(list(values), communication_dtype=wire)
+    if axis_name is not None:
+        totals = _wire.reduced(totals, axis_name, communication_dtype=wire)
+    return totals
+
+
+def dense_sum(accumulator_dtype: Any = None, communication_dtype: Any = None) -> Storage:
     """A dense running sum per leaf, in `accumulator_dtype` (None: float32 for float16
-    and bfloat16 params, the params' dtype otherwise)."""
+    and bfloat16 params, the params' dtype otherwise), reduced in `communication_dtype`
+    (None: in its own dtype)."""
 
     def add(sums: list, grads: list, offer: Offer) -> Added:
         added = [
@@ -90,12 +120,12 @@ def dense_sum(accumulator_dtype: Any = None) -> Storage:
     def release(sums: list, grads: list, window: Window) -> list:
         # An unreduced sum (under jit) is reduced here, once a window: one all-reduce
         # per leaf, which XLA may pack into one; likewise the replicas' sums.
-        totals = [_unreduced.reduced_sum(s) for s in sums]
-        if window.axis_name is not None:
-            totals = lax.psum(totals, window.axis_name)
-        if window.mean:
-            divide = _sums.mean_divider(window.weight_sum, totals)
-            totals = [divide(t) for t in totals]
+        totals = _reduced_values(sums, window.axis_name, communication_dtype)
+        if any(window.means):
+            divide = _sums.mean_divider(
+                window.weight_sum, [t for t, m in zip(totals, window.means, strict=True) if m]
+            )
+            totals = [divide(t) if m else t for t, m in zip(totals, window.means, strict=True)]
         return [t.astype(jnp.result_type(g)) for t, g in zip(totals, grads, strict=True)]
 
     return Storage(
@@ -115,9 +145,10 @@ def dense_sum(accumulator_dtype: Any = None) -> Storage:
 # --------------------------------------------------------------------------- dense rows
 
 
-def dense_rows() -> Storage:
+def dense_rows(communication_dtype: Any = None) -> Storage:
     """A dense leaf that counts the gradients touching each row (an `IndexedSlices`
-    gradient touches its rows, a dense one all of them), for the per-row MEAN."""
+    gradient touches its rows, a dense one all of them), for the per-row MEAN; its
+    values reduced in `communication_dtype` (None: their own dtype)."""
 
     def add(stores: list, grads: list, offer: Offer) -> Added:
         added, out_of_range = _dense_rows.add_all(
@@ -127,11 +158,19 @@ def dense_rows() -> Storage:
         return Added(added, offer.offered, arrivals)
 
     def release(stores: list, grads: list, window: Window) -> list:
+        totals: list = [None] * len(stores)
+        if communication_dtype is not None:  # all leaves' values in one narrow reduction
+            values = [s.values for s in stores]
+            totals = _reduced_values(values, window.axis_name, communication_dtype)
         return [
             _dense_rows.release(
-                s, window.mean, g.values if isinstance(g, IndexedSlices) else g, window.axis_name
+                s,
+                mean,
+                g.values if isinstance(g, IndexedSlices) else g,
+                window.axis_name,
+                total=t,
             )
-            for s, g in zip(stores, grads, strict=True)
+            for s, g, mean, t in zip(stores, grads, window.means, totals, strict=True)
         ]
 
     return Storage(
@@ -183,7 +222,10 @@ def row_buffer(capacity: int) -> Storage:
         return Added(buffers, accepted, arrivals)
 
     def release(buffers: list, grads: list, window: Window) -> list:
-        return [_row_buffer.release(b, window.mean, g) for b, g in zip(buffers, grads, strict=True)]
+        return [
+            _row_buffer.release(b, mean, g)
+            for b, g, mean in zip(buffers, grads, window.means, strict=True)
+        ]
 
     return Storage(
         holds=lambda store: isinstance(store, RowBuffer),
@@ -201,4 +243,38 @@ def row_buffer(capacity: int) -> Storage:
     )
 
 
-__all__ = ["dense_rows", "dense_sum", "row_buffer"]
+# --------------------------------------------------------------------------- max and min
+
+
+def extremum(how: str, accumulator_dtype: Any = None) -> Storage:
+    """A dense leaf whose window combines by `how`, "max" or "min": its running max
+    (min) of the accepted gradients, whatever their weights (a max has none), and under
+    an `axis_name` one `pmax` (`pmin`) over the replicas in the release."""
+    kind = _extrema.KINDS[how]
+
+    def add(stores: list, grads: list, offer: Offer) -> Added:
+        added = [
+            _extrema.continued(s, offer.restart, offer.offered, g)
+            for s, g in zip(stores, grads, strict=True)
+        ]
+        return Added(added, offer.offered, {})
+
+    def release(stores: list, grads: list, window: Window) -> list:
+        totals = _extrema.released(stores, window.axis_name)
+        return [t.astype(jnp.result_type(g)) for t, g in zip(totals, grads, strict=True)]
+
+    return Storage(
+        holds=lambda store: isinstance(store, kind),
+        empty=lambda param: _extrema.empty(how, param, accumulator_dtype),
+        check=_extrema.check,
+        finite=lambda g, s: jnp.isfinite(g).all(),
+        add=add,
+        release=release,
+        retyped=_same,  # never unreduced: a param typed reduced is refused at init
+        after=_same,
+        held=_same,
+        spendable=True,  # restarted lazily, as a dense sum
+    )
+
+
+__all__ = ["dense_rows", "dense_sum", "extremum", "row_buffer"]

@@ -14,7 +14,16 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optax_accum import _checks, _counters, _engine, _protocol, _storages
+from optax_accum import (
+    _checks,
+    _counters,
+    _engine,
+    _extrema,
+    _protocol,
+    _reductions,
+    _storages,
+    _wire,
+)
 
 
 class ConditionalAccumulatorState(NamedTuple):
@@ -39,7 +48,9 @@ class ConditionalAccumulatorState(NamedTuple):
         sum of its own gradients). While `emitted` is False they hold the sum; a
         release spends them (the released updates travel in them, on the CPU) and the
         next `update` starts from zeros, so right after a release they hold no sum.
-        `optax_accum.accumulated(state)` reads the sum at every step.
+        `optax_accum.accumulated(state)` reads the sum at every step. A leaf whose
+        `reduction` is "max" or "min" holds a `RunningMax` or `RunningMin`: the
+        window's running max (min), restarted the same way.
       inner_state: the wrapped optimizer's state.
 
     Example:
@@ -67,11 +78,12 @@ def conditional_accumulator(
     inner: optax.GradientTransformation,
     num_required: _counters.NumRequired,
     *,
-    reduction: str = "mean",
+    reduction: Any = "mean",
     accumulator_dtype: Any = None,
     axis_name: Any = None,
     skip_nonfinite: bool = False,
     should_skip_update_fn: Callable[..., Any] | None = None,
+    communication_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates step-tagged gradients and releases their mean to `inner`.
 
@@ -109,6 +121,24 @@ def conditional_accumulator(
     (which XLA may pack into one), inside its branch. `inner` then runs on the plain,
     reduced values, and the updates come back typed as the params.
 
+    With `communication_dtype` (bfloat16, int8 or float8_e4m3fn), the release's one
+    reduction, over `axis_name` or over the mesh axes of params typed reduced, sends
+    the window's sums in that type (int8 and float8 with a float32 scale per block of
+    256 values): an all-to-all, a float32 sum of each replica's share, an all-gather,
+    so no sum is taken in the narrow type and every replica gets the same bits. int8
+    and float8 send 1/3.9 of float32's bytes, bfloat16 half; the sums, the counts and
+    `inner` stay in their own dtypes. Held steps are unchanged.
+
+    Leaves may combine differently: `reduction` can be a tree (or a function of the
+    leaf path) of "mean", "sum", "max" and "min". A "max" leaf keeps the running
+    elementwise max of the window's accepted gradients and releases it (an FP8 amax
+    history: `optax.MultiSteps` would average it, so the scale is set from a mean of
+    the micro-batches' maxima and clips the largest); "min" the min. A max has no
+    weights: every accepted gradient takes part in it, whatever its `weight`. Under
+    `axis_name` each replica keeps its own and the release takes one max over them;
+    a held step moves nothing. Such a leaf takes dense gradients that hold their true
+    values: its param may not be typed reduced (jax 0.10's unreduced type is a sum).
+
     TF counterpart: `tf.ConditionalAccumulator` (its `apply_grad`, `take_grad` and
     `set_global_step`), as used by `tf.train.SyncReplicasOptimizer`. Differences from
     TF: it is a transform, not a blocking queue (see `ConditionalAccumulator` for
@@ -125,7 +155,10 @@ def conditional_accumulator(
       inner: the optimizer that transforms each released aggregate.
       num_required: a positive int, or a schedule `f(global_step) -> int` (as
         `optax.MultiSteps`' `every_k_schedule`).
-      reduction: "mean" (default) or "sum", in any case.
+      reduction: "mean" (default), "sum", "max" or "min", in any case, for every
+        leaf; or a tree of them shaped like the params (or a prefix of it, e.g.
+        `{"params": "mean", "fp8_meta": "max"}`), or a function of a leaf's path (the
+        key tuple `jax.tree_util.tree_flatten_with_path` gives) returning one.
       accumulator_dtype: the dtype of the running sum. Default: float32 for float16
         and bfloat16 params, the params' dtype otherwise. Updates come back in the
         gradients' dtypes.
@@ -141,6 +174,11 @@ def conditional_accumulator(
         say, or `functools.partial(optax.skip_large_updates, max_squared_norm=...)`.
         A fresh gradient it skips is neither accumulated nor counted as accepted, and
         is counted in `num_skipped`; nothing else changes.
+      communication_dtype: the type the release's reduction sends the sums in: None
+        (default: their own dtype, an all-reduce; float32 is the same),
+        `jnp.bfloat16`, `jnp.int8` or `jnp.float8_e4m3fn`. Only a reduction across
+        replicas or devices uses it (`axis_name`, params typed reduced); "max" and
+        "min" leaves are reduced exactly.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -155,7 +193,7 @@ def conditional_accumulator(
         not return a bool scalar.
 
     Example:
-      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> import jax, jax.numpy as jnp, optax, optax_accum
       >>> tx = optax_accum.conditional_accumulator(optax.sgd(1.0), num_required=2)
       >>> params = jnp.zeros(2)
       >>> state = tx.init(params)
@@ -173,20 +211,49 @@ def conditional_accumulator(
       >>> u, state = tx.update(jnp.array([3.0, 4.0]), state, weight=3)
       >>> u
       Array([-2.5, -3.5], dtype=float32)
+      >>> # Per leaf: an amax statistic keeps the window's max, the weights their mean.
+      >>> tx = optax_accum.conditional_accumulator(
+      ...     optax.identity(), 2, reduction={"w": "mean", "amax": "max"})
+      >>> state = tx.init({"w": jnp.zeros(2), "amax": jnp.zeros(1)})
+      >>> _, state = tx.update({"w": jnp.ones(2), "amax": jnp.array([8.0])}, state)
+      >>> u, state = tx.update({"w": jnp.zeros(2), "amax": jnp.array([2.0])}, state)
+      >>> u["w"], u["amax"]
+      (Array([0.5, 0.5], dtype=float32), Array([8.], dtype=float32))
+      >>> # The release's reduction over replicas sent in int8 (a scale per 256 values).
+      >>> tx = optax_accum.conditional_accumulator(
+      ...     optax.identity(), 1, axis_name="i", communication_dtype=jnp.int8)
+      >>> step = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(step, axis_name="i")(jnp.array([[1.0, 2.0], [3.0, -4.0]]))
+      Array([[ 2.      , -1.007874],
+             [ 2.      , -1.007874]], dtype=float32)
+      >>> # The mean is [2, -1]: the sum's -2 went as -64 in steps of 4/127 (its max).
     """
-    sums = _storages.dense_sum(_checks.floating_dtype("accumulator_dtype", accumulator_dtype))
+    acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
+    reductions = _reductions.Reduction.of(reduction)
+    sums = _storages.dense_sum(
+        acc_dtype, _wire.wire_dtype("communication_dtype", communication_dtype)
+    )
+    extrema = {how: _storages.extremum(how, acc_dtype) for how in _reductions.EXTREMA}
     rules = _engine.Rules(
         inner=_checks.require_transformation("inner", inner),
         required=_counters.num_required_fn(num_required),
-        mean=_checks.canonical_reduction(reduction) == "mean",
+        means=reductions.means(),
         axis_name=_checks.require_axis_name("axis_name", axis_name),
         skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
         skip_rule=_checks.require_skip_rule(should_skip_update_fn),
-        kinds=(sums,),
+        kinds=(sums, *extrema.values()),
     )
 
+    def kind_of(param: Any, choice: _reductions.Choice) -> _engine.Storage:
+        if choice.how in extrema:
+            _extrema.check_param(choice.where, param, choice.how)
+            return extrema[choice.how]
+        return sums
+
     def init_fn(params: optax.Params) -> ConditionalAccumulatorState:
-        return _engine.init(rules, ConditionalAccumulatorState, params, lambda p: sums)
+        return _engine.init(
+            rules, ConditionalAccumulatorState, params, kind_of, reductions.tree(params)
+        )
 
     def step(
         updates: optax.Updates,

@@ -16,7 +16,17 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optax_accum import _checks, _counters, _engine, _protocol, _row_buffer, _storages
+from optax_accum import (
+    _checks,
+    _counters,
+    _engine,
+    _extrema,
+    _protocol,
+    _reductions,
+    _row_buffer,
+    _storages,
+    _wire,
+)
 from optax_accum._dense_rows import DenseRows
 from optax_accum._row_buffer import RowBuffer
 
@@ -42,7 +52,8 @@ class SparseConditionalAccumulatorState(NamedTuple):
         `DenseRows` (per replica under an `axis_name`) for each dense leaf: the
         window's running sums while `emitted` is False. A release resets each row
         buffer's `size`; the dense leaves still hold the released window's values
-        until the next `update` starts them from zeros.
+        until the next `update` starts them from zeros. A dense leaf whose `reduction`
+        is "max" or "min" holds a `RunningMax` or `RunningMin` of its values instead.
       inner_state: the wrapped optimizer's state.
 
     Example:
@@ -76,11 +87,12 @@ def sparse_conditional_accumulator(
     num_required: _counters.NumRequired,
     *,
     capacity: int,
-    reduction: str = "mean",
+    reduction: Any = "mean",
     axis_name: Any = None,
     sparse: Any = None,
     skip_nonfinite: bool = False,
     should_skip_update_fn: Callable[..., Any] | None = None,
+    communication_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates step-tagged, row-sparse gradients and releases them to `inner`.
 
@@ -136,6 +148,13 @@ def sparse_conditional_accumulator(
     the sum once, inside its branch, `inner` runs on plain values and the dense
     updates come back typed as the params.
 
+    `communication_dtype` (bfloat16, int8 or float8_e4m3fn) sends the dense leaves'
+    sums in that type in the release's reduction, as `conditional_accumulator` does
+    (the per-row counts and weights stay exact; the sparse leaves' gathers of each
+    step are unchanged). `reduction` may differ per leaf, as there: a dense leaf can
+    combine by "max" or "min" (its dense gradients' running max, min), a sparse leaf
+    by "mean" or "sum".
+
     Cost: an update does a few gathers and scatters over the gradient's rows, and no
     sort; a release sorts the `capacity` row ids. Nothing scales with the table,
     except the map's memory (4 bytes per table row). With `axis_name`, each replica
@@ -153,7 +172,10 @@ def sparse_conditional_accumulator(
       num_required: a positive int, or a schedule `f(global_step) -> int`.
       capacity: a positive int, the most distinct rows a sparse leaf holds between
         releases.
-      reduction: "mean" (default) or "sum", in any case.
+      reduction: "mean" (default) or "sum", in any case; or per leaf, a tree (or a
+        prefix of the params' tree) or a function of the leaf path giving "mean",
+        "sum", "max" or "min" (the last two for dense leaves only), as in
+        `conditional_accumulator`.
       axis_name: optional name (or tuple of names) of a mapped axis whose replicas share
         the accumulator.
       sparse: which param leaves are sparse: a tree of bools (Python or NumPy) shaped
@@ -168,6 +190,10 @@ def sparse_conditional_accumulator(
         (`IndexedSlices` leaves included: mind their indices), `global_step` and
         `params`. A fresh gradient it skips is neither accumulated nor counted as
         accepted, and is counted in `num_skipped`; nothing else changes.
+      communication_dtype: the type the dense leaves' sums travel in when the release
+        reduces them (`axis_name`, params typed reduced): None (their own dtype),
+        `jnp.bfloat16`, `jnp.int8` or `jnp.float8_e4m3fn`, as in
+        `conditional_accumulator`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -202,20 +228,35 @@ def sparse_conditional_accumulator(
       ([0, 4, 5], [[-2.5, -2.5], [-2.0, -2.0]])
     """
     capacity = _checks.require_positive_int("capacity", capacity)
-    buffers, dense = _storages.row_buffer(capacity), _storages.dense_rows()
+    wire = _wire.wire_dtype("communication_dtype", communication_dtype)
+    reductions = _reductions.Reduction.of(reduction)
+    buffers, dense = _storages.row_buffer(capacity), _storages.dense_rows(wire)
+    extrema = {how: _storages.extremum(how) for how in _reductions.EXTREMA}
     rules = _engine.Rules(
         inner=_checks.require_transformation("inner", inner),
         required=_counters.num_required_fn(num_required),
-        mean=_checks.canonical_reduction(reduction) == "mean",
+        means=reductions.means(),
         axis_name=_checks.require_axis_name("axis_name", axis_name),
         skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
         skip_rule=_checks.require_skip_rule(should_skip_update_fn),
         # Row buffers first: they may refuse a gradient (overflow), which the dense
         # leaves then do not add.
-        kinds=(buffers, dense),
+        kinds=(buffers, dense, *extrema.values()),
     )
     if sparse is not None and not callable(sparse):
         jax.tree.map(lambda m: _checks.require_bool("sparse", m), sparse)
+
+    def kind_of(param: Any, is_sparse: bool, choice: _reductions.Choice) -> _engine.Storage:
+        if choice.how not in extrema:
+            return buffers if is_sparse else dense
+        if is_sparse:
+            raise ValueError(
+                f'reduction "{choice.how}" is for dense leaves, but {choice.where} is '
+                "sparse (a row buffer: its rows combine by sum or mean); give it "
+                '"mean" or "sum", or mark it dense with `sparse`'
+            )
+        _extrema.check_param(choice.where, param, choice.how)
+        return extrema[choice.how]
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:
         _checks.require_floating_params(params)
@@ -224,8 +265,9 @@ def sparse_conditional_accumulator(
             rules,
             SparseConditionalAccumulatorState,
             params,
-            lambda p, m: buffers if m else dense,
+            kind_of,
             mask,
+            reductions.tree(params),
         )
 
     def step(

@@ -402,7 +402,7 @@ def test_shared_accumulator_under_shard_map():
     [
         ({"num_required": 1.5}, TypeError, "num_required must be a positive int, got 1.5"),
         ({"num_required": True}, TypeError, "num_required must be a positive int"),
-        ({"num_required": 2, "reduction": "max"}, ValueError, "reduction must be"),
+        ({"num_required": 2, "reduction": "median"}, ValueError, "reduction must be"),
         ({"num_required": 2, "accumulator_dtype": jnp.int32}, TypeError, "floating dtype"),
         ({"num_required": 2, "axis_name": ["d"]}, TypeError, "axis_name must be"),
         ({"num_required": 2, "skip_nonfinite": 1}, TypeError, "skip_nonfinite must be a bool"),

@@ -48,9 +48,36 @@ BAD: list[Bad] = [
     ),
     Bad(
         "accumulator/reduction",
-        lambda: accumulator_tx(reduction="max"),
+        lambda: accumulator_tx(reduction="median"),
         ValueError,
-        r"reduction must be \"mean\" or \"sum\" \(any case\), got 'max'",
+        r"reduction must be \"mean\", \"sum\", \"max\" or \"min\" \(any case\), a tree of "
+        r"them shaped like the params \(or a prefix of it\), or a function of a leaf's path "
+        r"returning one; got 'median'",
+    ),
+    Bad(
+        "accumulator/reduction tree leaf",
+        lambda: accumulator_tx(reduction={"w": "max", "b": "avg"}),
+        ValueError,
+        r"reduction must be .*; got 'avg' at reduction\['b'\]",
+    ),
+    Bad(
+        "accumulator/reduction tree leaf type",
+        lambda: accumulator_tx(reduction={"w": 1}),
+        TypeError,
+        r"reduction must be .*; got 1 \(int\) at reduction\['w'\]",
+    ),
+    Bad(
+        "accumulator/communication_dtype=float16",
+        lambda: accumulator_tx(communication_dtype=jnp.float16),
+        ValueError,
+        r"communication_dtype must be None, jnp.float32, jnp.bfloat16, jnp.int8 or "
+        r"jnp.float8_e4m3fn, got float16",
+    ),
+    Bad(
+        "accumulator/communication_dtype=list",
+        lambda: accumulator_tx(communication_dtype=[8]),
+        TypeError,
+        r"communication_dtype must be None, .*, got \[8\] \(list\)",
     ),
     Bad(
         "accumulator/accumulator_dtype=int32",

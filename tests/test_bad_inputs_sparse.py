@@ -59,7 +59,13 @@ BAD: list[Bad] = [
         "sparse/reduction",
         lambda: sparse_tx(reduction="avg"),
         ValueError,
-        r"reduction must be \"mean\" or \"sum\" \(any case\), got 'avg'",
+        r"reduction must be \"mean\", \"sum\", \"max\" or \"min\" \(any case\), .*; got 'avg'",
+    ),
+    Bad(
+        "sparse/communication_dtype",
+        lambda: sparse_tx(communication_dtype="float16"),
+        ValueError,
+        r"communication_dtype must be None, .*, got float16",
     ),
     Bad(
         "sparse/sparse mask of another tree",

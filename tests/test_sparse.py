@@ -362,7 +362,7 @@ def test_construction_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_required"):
         sparse_conditional_accumulator(optax.identity(), 0, capacity=2)
     with pytest.raises(ValueError, match="reduction"):
-        sparse_conditional_accumulator(optax.identity(), 1, capacity=2, reduction="max")
+        sparse_conditional_accumulator(optax.identity(), 1, capacity=2, reduction="median")
     with pytest.raises(TypeError, match="sparse"):
         sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse={"a": 1})
     tx = sparse_conditional_accumulator(optax.identity(), 1, capacity=2, sparse={"a": True})
