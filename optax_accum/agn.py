@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -27,7 +28,9 @@ from optax_accum import (
     _extra_args,
     _protocol,
     _storages,
+    _streaming,
     _sums,
+    _wire,
 )
 
 _COMMITS = ("gradients", "delta")
@@ -37,9 +40,13 @@ class AGNState(NamedTuple):
     """State of `agn`.
 
     Attributes:
-      global_step: int32, communication rounds so far (TF's global step).
+      global_step: int32, communication rounds so far (TF's global step); with
+        `fragments`, the fragment syncs so far (P of them per period).
       count: int32, local steps since the last sync (0 right after one), so
-        `num_accumulated(state)` is the number of gradients in this round.
+        `num_accumulated(state)` is the number of gradients in this round. With
+        `fragments`, the local steps into the current period: 1 to
+        `communication_period` (0 before the first step), the schedule every
+        fragment's sync reads.
       num_nonfinite: int32, gradients skipped for holding a NaN or Inf (only with
         `skip_nonfinite=True`) in the rounds completed so far, summed over the
         replicas at each sync, so it is the same on every replica.
@@ -52,16 +59,22 @@ class AGNState(NamedTuple):
       round_skipped: int32 of shape (1,), this replica's gradients skipped by the rule
         in the current round (added to `num_skipped` at the next sync).
       emitted: bool, whether the last `update` was a sync step (the centre moved and
-        the local parameters were pulled to it).
+        the local parameters were pulled to it; with `fragments`, a fragment's centre
+        moved, and with a `delay` the local parameters take it later).
       storage: the buffers of the sum of this round's raw gradients, in the
         accumulator dtype (this replica's own); empty in the delta variant, which needs
         no sum. While `emitted` is False they hold the sum; right after a sync they
         still hold the last round's, which the next `update` does not read (it starts
         from zeros). `optax_accum.accumulated(state)` reads this round's sum.
       centre: the shared centre parameters (TF's global centre variables); the same on
-        every replica.
+        every replica. With a `delay`, a fragment's centre moves in the step that
+        reduces its pseudo-gradient (the step after its sync step) and the local
+        parameters take it `delay` steps after the sync step.
       inner_state: the local optimizer's state (this replica's own), kept across syncs.
-      outer_state: the state of the optimizer that moves the centre.
+      outer_state: the state of the optimizer that moves the centre; with
+        `fragments`, a tuple of one state per fragment, each made by `outer.init` on
+        the params with an `optax.MaskedNode` in place of the other fragments' leaves
+        (a fragment's schedules count its own syncs).
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -102,6 +115,10 @@ def agn(
     accumulator_dtype: Any = None,
     skip_nonfinite: bool = False,
     should_skip_update_fn: Callable[..., Any] | None = None,
+    fragments: Any = None,
+    delay: int = 0,
+    blend: float = 0.0,
+    communication_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Local SGD with a centre that moves every `communication_period` steps (AGN).
 
@@ -141,6 +158,23 @@ def agn(
       constant `lr`, the delta commit with `outer=optax.sgd(lr_out / lr)` equals the
       gradient commit with `outer=optax.sgd(lr_out)`.
 
+    **Streaming DiLoCo** (Douillard et al., arXiv 2501.18512): with `fragments`, the
+    params are split into P fragments (sets of leaves), and each syncs every
+    `communication_period` steps at its own offset, `(p + 1) * period / P` steps into
+    each period, so a sync moves one fragment, one every `period / P` steps: the peak
+    bytes per sync fall P-fold, the total per period stays. The pseudo-gradient is
+    normalised by the period as above, and each fragment's centre has its own `outer`
+    state. With `delay` V >= 1 the pseudo-gradient reduced is the one the step is
+    given (the local params after the sync step, known before this step's gradient),
+    so the reduction can overlap the step's forward and backward passes, and the new
+    centre is blended into the local params V steps after the sync step; `blend` alpha
+    keeps that share of the local params, `alpha * local + (1 - alpha) * centre` (0:
+    every worker restarts from the centre). When every step syncs a fragment
+    (`communication_period == P` and V >= 1), the fragment's pseudo-gradient is laid out
+    in one flat buffer as long as the largest fragment and reduced on every step
+    outside any branch; otherwise each sync runs in a branch of its own. `delay=0`,
+    `blend=0.0` and `fragments=1` are DiLoCo (or TF's AGN) again.
+
     Either way the centre moves once per round by about one step's worth, so with the
     default `outer` the centre advances `communication_period` times fewer steps than
     synchronous SGD on the same data; scale `outer`'s learning rate by the period to
@@ -175,6 +209,22 @@ def agn(
         out as `skip_nonfinite` leaves out a non-finite one (the local step still
         counts, so the replicas stay in step) and is counted in `round_skipped`,
         then in `num_skipped` at the sync.
+      fragments: None (the whole model syncs at once), an int P (P fragments balanced
+        by size: the largest leaves first, each to the fragment with the fewest
+        elements), a tree like the params of fragment numbers 0 .. P-1, or a function
+        of a leaf's path (its `jax.tree_util` keys) returning its fragment number.
+        `communication_period` must be a multiple of P.
+      delay: V, an int in [0, communication_period]: the steps between a fragment's
+        sync step and the step whose local params take the new centre. 0: the same
+        step (the reduction then reads this step's own local update). Needs
+        `fragments`.
+      blend: alpha in [0, 1], the share of the local params kept when a fragment's new
+        centre is taken (the paper's mixing). Needs `fragments`.
+      communication_dtype: None (the reduction in the pseudo-gradient's dtype),
+        `jnp.bfloat16`, `jnp.int8` or `jnp.float8_e4m3fn`: the sync's values travel in
+        that type (int8 and float8 with a float32 scale per block of 256 values), as an
+        all-to-all, a float32 sum and an all-gather, so no sum is taken in the narrow
+        type; the centre and `outer` stay in their own dtypes. Needs `axis_name`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AGNState`.
@@ -200,6 +250,18 @@ def agn(
       0.8 1
       >>> float(state.centre[0])  # 1 - 0.1 * (1 + 2 + 3) / 3
       0.8
+
+      Streaming, two fragments: "w" syncs at steps 1, 3, ..., "b" at 2, 4, ...
+
+      >>> tx = optax_accum.agn(optax.sgd(0.1), 2, fragments={"w": 0, "b": 1}, commit="delta")
+      >>> params = {"w": jnp.array([1.0]), "b": jnp.array([1.0])}
+      >>> state = tx.init(params)
+      >>> for _ in range(2):
+      ...     updates, state = tx.update({"w": jnp.ones(1), "b": jnp.ones(1)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      ...     print(float(state.centre["w"][0]), float(state.centre["b"][0]))
+      0.95 1.0
+      0.95 0.9
     """
     inner = _checks.require_transformation("inner", inner)
     period = _checks.require_positive_int("communication_period", communication_period)
@@ -213,20 +275,57 @@ def agn(
     acc_dtype = _checks.floating_dtype("accumulator_dtype", accumulator_dtype)
     skip_nonfinite = _checks.require_bool("skip_nonfinite", skip_nonfinite)
     skip_rule = _checks.require_skip_rule(should_skip_update_fn)
+    wire = _wire.wire_dtype("communication_dtype", communication_dtype)
+    if wire is not None and axis_name is None:
+        raise ValueError(
+            f"communication_dtype={np.dtype(wire).name} needs axis_name: without workers "
+            "to average over, agn sends nothing"
+        )
+    delay, blend = _streaming.checked_args(fragments, period, delay, blend)
 
     sums = _storages.dense_sum(acc_dtype)
 
     def sum_dtype(x: Any) -> Any:
         return _sums.accumulator_dtype_for(jnp.result_type(x), acc_dtype)
 
+    def reduced_mean(tree: Any) -> Any:
+        """The workers' mean of `tree` (in `communication_dtype` on the wire)."""
+        if axis_name is None:
+            return tree
+        if wire is None:
+            return lax.pmean(tree, axis_name)
+        return _wire.reduced(tree, axis_name, communication_dtype=wire, mean=True)
+
+    def layout_of(params: Any) -> _streaming.Layout | None:
+        if fragments is None:
+            return None
+        layout = _streaming.layout(fragments, params)
+        if period % layout.count:
+            raise ValueError(
+                f"communication_period={period} must be a multiple of the number of "
+                f"fragments, {layout.count}: each fragment syncs every {period} steps, "
+                f"one every {period} / {layout.count} steps (choose a period of "
+                f"{period // layout.count * layout.count or layout.count} or "
+                f"{(period // layout.count + 1) * layout.count})"
+            )
+        return layout
+
     def init_fn(params: optax.Params) -> AGNState:
         _checks.require_floating_params(params)
         _reject_reduced(params)
+        layout = layout_of(params)
         # Built from the params: under shard_map the sum varies over the mesh axes the
         # params vary over, so the state's types are the same before and after update.
         storage = () if delta else jax.tree.map(sums.empty, params)
-        leaves = jax.tree.leaves(params)
+        leaves, treedef = jax.tree.flatten(params)
         like = leaves[0] if leaves else jnp.zeros(())
+        if layout is None:
+            outer_state = outer.init(params)
+        else:  # each fragment's own outer state, over its leaves only
+            outer_state = tuple(
+                outer.init(_streaming.masked([leaves[i] for i in m], m, treedef))
+                for m in layout.members
+            )
         return AGNState(
             global_step=_counters.int32(0),  # one buffer per field, so state can be donated
             count=_counters.int32(0),
@@ -238,8 +337,34 @@ def agn(
             storage=storage,
             centre=jax.tree.map(_copy, params),
             inner_state=inner.init(params),
-            outer_state=outer.init(params),
+            outer_state=outer_state,
         )
+
+    def counted_rounds(skipped: Any) -> Any:
+        """The round's skip counts summed over the workers (one all-reduce for both)
+        and added to the totals; the round's counts restart."""
+        (num_nonfinite, num_skipped), rounds = skipped
+        counts, _ = _engine.counted(
+            {"num_nonfinite": rounds[0][0], "num_skipped": rounds[1][0]}, axis_name
+        )
+        totals = {"num_nonfinite": num_nonfinite, "num_skipped": num_skipped}
+        num_nonfinite, num_skipped = _engine.tallied(totals, counts).values()
+        return (num_nonfinite, num_skipped), jax.tree.map(jnp.zeros_like, rounds)
+
+    def moved_centre(
+        pseudo: Any, centre: Any, outer_state: Any, extra_args: dict
+    ) -> tuple[Any, Any]:
+        """`outer`'s step of the centre on the workers' mean pseudo-gradient."""
+        pseudo = optax.tree.cast_like(pseudo, centre)
+        moved = _protocol.call_inner(
+            outer, pseudo, outer_state, centre, _protocol.Call(), **extra_args
+        )
+        return optax.apply_updates(centre, moved.updates), moved.state
+
+    streaming = _streaming.Rules(
+        period, delay, blend, delta, axis_name, sums, sum_dtype, reduced_mean, moved_centre,
+        counted_rounds if skip_nonfinite or skip_rule is not None else None,
+    )  # fmt: skip
 
     def step(
         updates: optax.Updates,
@@ -261,6 +386,7 @@ def agn(
         _reject_reduced(params)
         if axis_name is not None:
             _checks.require_bound_axis(axis_name)
+        layout = layout_of(params)
 
         local = _protocol.call_inner(
             inner, updates, state.inner_state, params, _protocol.Call(), **extra_args
@@ -269,7 +395,6 @@ def agn(
         # Gradients in another dtype than the params may change the dtypes of `inner`'s
         # state (Adam's moments); the state keeps its own, as optax.MultiSteps does.
         inner_state = optax.tree.cast_like(inner_state, state.inner_state)
-        storage = state.storage
         finite = _sums.all_finite(updates) if skip_nonfinite else jnp.asarray(True)
         rule = _sums.skip_rule(skip_rule, updates, state.global_step, params)
         # Every gradient is fresh (a local step has no tag); the gate keeps it or skips it.
@@ -290,8 +415,24 @@ def agn(
         if rule is not None:
             this_round["round_skipped"] = gate.skipped
         rounds = _engine.tallied(state, this_round)
-        round_nonfinite = rounds.get("round_nonfinite", state.round_nonfinite)
-        round_skipped = rounds.get("round_skipped", state.round_skipped)
+        skipped = (
+            (state.num_nonfinite, state.num_skipped),
+            (
+                rounds.get("round_nonfinite", state.round_nonfinite),
+                rounds.get("round_skipped", state.round_skipped),
+            ),
+        )
+        if layout is not None:
+            new_updates, new_state = _streaming.step(
+                streaming, layout, updates, state, params, local_updates, inner_state,
+                kept, skipped, extra_args,
+            )  # fmt: skip
+            _protocol.watch_weight(
+                "agn", call, local.read_weight, inner, updates, state.inner_state, params,
+                extra_args,
+            )  # fmt: skip
+            return _protocol.Result(new_updates, new_state, read_weight=local.read_weight)
+        storage = state.storage
         if not delta:  # the sum restarts after a sync (see `_sums.restarted`)
             offer = _engine.Offer(kept, None, None, state.emitted)
             added = sums.add(jax.tree.leaves(storage), jax.tree.leaves(updates), offer)
@@ -310,25 +451,13 @@ def agn(
                 )
             else:
                 pseudo = jax.tree.map(lambda a: a / period, storage)
-            if axis_name is not None:
-                pseudo = lax.pmean(pseudo, axis_name)
-            pseudo = optax.tree.cast_like(pseudo, centre)
-            moved = _protocol.call_inner(
-                outer, pseudo, outer_state, centre, _protocol.Call(), **extra_args
+            centre, outer_state = moved_centre(
+                reduced_mean(pseudo), centre, outer_state, extra_args
             )
-            outer_updates, outer_state = moved.updates, moved.state
-            centre = optax.apply_updates(centre, outer_updates)
             if skips:  # both rounds' counts in one all-reduce
-                (num_nonfinite, num_skipped), rounds = skipped
-                counts, _ = _engine.counted(
-                    {"num_nonfinite": rounds[0][0], "num_skipped": rounds[1][0]}, axis_name
-                )
-                totals = {"num_nonfinite": num_nonfinite, "num_skipped": num_skipped}
-                num_nonfinite, num_skipped = _engine.tallied(totals, counts).values()
-                skipped = ((num_nonfinite, num_skipped), jax.tree.map(jnp.zeros_like, rounds))
+                skipped = counted_rounds(skipped)
             return centre, outer_state, skipped
 
-        skipped = ((state.num_nonfinite, state.num_skipped), (round_nonfinite, round_skipped))
         centre, outer_state, skipped = _branch.apply_if(
             sync, commit_round, (state.centre, state.outer_state, skipped)
         )

@@ -27,20 +27,49 @@ DIM = 3
 
 @dataclasses.dataclass(frozen=True)
 class NpSGD:
-    """optax.sgd(lr, momentum) in float64: trace = g + m * trace; step = -lr * trace."""
+    """optax.sgd(lr, momentum, nesterov) in float64: trace = g + m * trace; step =
+    -lr * trace (nesterov: -lr * (g + m * trace))."""
 
     lr: float
     momentum: float | None = None
+    nesterov: bool = False
 
     def init(self, p):
         return np.zeros_like(p)
 
     def step(self, g, trace):
         trace = g + (self.momentum or 0.0) * trace
-        return -self.lr * trace, trace
+        direction = g + (self.momentum or 0.0) * trace if self.nesterov else trace
+        return -self.lr * direction, trace
 
     def optax(self):
-        return optax.sgd(self.lr, momentum=self.momentum)
+        return optax.sgd(self.lr, momentum=self.momentum, nesterov=self.nesterov)
+
+
+@dataclasses.dataclass(frozen=True)
+class NpAdam:
+    """optax.adam(lr) in float64, its state (count, mu, nu) per leaf."""
+
+    lr: float
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def init(self, p):
+        return (0, np.zeros_like(p), np.zeros_like(p))
+
+    def step(self, g, state):
+        count, mu, nu = state
+        count, mu, nu = (
+            count + 1,
+            self.b1 * mu + (1 - self.b1) * g,
+            self.b2 * nu + (1 - self.b2) * g**2,
+        )
+        mu_hat, nu_hat = mu / (1 - self.b1**count), nu / (1 - self.b2**count)
+        return -self.lr * mu_hat / (np.sqrt(nu_hat) + self.eps), (count, mu, nu)
+
+    def optax(self):
+        return adam(self.lr)
 
 
 def np_agn(grad_fn, p0, period, steps, inner, outer, commit="gradients", workers=1):
@@ -577,3 +606,165 @@ def test_period_1_is_synchronous_sgd():
             history.append(np.asarray(params))
         trajectories.append(np.stack(history))
     np.testing.assert_allclose(trajectories[0], trajectories[1], rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- streaming
+
+# Three leaves of different sizes; each worker w's gradient at p is a_w * (p - b_w).
+STREAM_SHAPES = {"a": (3,), "b": (2, 2), "c": (5,)}
+
+
+def np_streaming(grad_fn, p0, period, steps, inner, outer, commit, workers, members, delay, blend):
+    """Streaming DiLoCo (arXiv 2501.18512, Algorithm 2) in float64, as the paper states it.
+
+    `p0` is a list of leaves, `members[p]` the leaves of fragment p. Fragment p syncs at
+    the local steps t = (p + 1) * period / P (mod period): each worker's pseudo-gradient
+    (the centre minus its local leaves, or its gradient sum since the fragment's last
+    sync, over the period) is averaged; `delay` steps later `outer` moves the fragment's
+    centre with it (its own state per fragment) and every worker's leaves become
+    `blend * local + (1 - blend) * centre`. A blend due at step t comes before the syncs
+    of step t. Returns, after every step, the workers' local leaves, the centre, and
+    whether a fragment's outer step is still pending.
+    """
+    count = len(members)
+    offsets = [(p + 1) * period // count for p in range(count)]
+    local = [[x.copy() for x in p0] for _ in range(workers)]
+    slots = [[inner.init(x) for x in p0] for _ in range(workers)]
+    sums = [[np.zeros_like(x) for x in p0] for _ in range(workers)]
+    centre, outer_slots = [x.copy() for x in p0], [outer.init(x) for x in p0]
+    pending, history = {}, []
+
+    def apply(p, mean):
+        for i, d in zip(members[p], mean, strict=True):
+            u, outer_slots[i] = outer.step(d, outer_slots[i])
+            centre[i] = centre[i] + u
+            for w in range(workers):
+                local[w][i] = blend * local[w][i] + (1 - blend) * centre[i]
+
+    for t in range(1, steps + 1):
+        for w in range(workers):
+            g = grad_fn(w, t - 1, local[w])
+            for i in range(len(p0)):
+                u, slots[w][i] = inner.step(g[i], slots[w][i])
+                local[w][i] = local[w][i] + u
+                sums[w][i] = sums[w][i] + g[i]
+        for p, mean in pending.pop(t, []):
+            apply(p, mean)
+        for p in range(count):
+            if t < offsets[p] or (t - offsets[p]) % period:
+                continue
+            if commit == "gradients":
+                mean = [
+                    np.mean([sums[w][i] for w in range(workers)], 0) / period for i in members[p]
+                ]
+                for w, i in ((w, i) for w in range(workers) for i in members[p]):
+                    sums[w][i] = np.zeros_like(sums[w][i])
+            else:
+                mean = [
+                    np.mean([centre[i] - local[w][i] for w in range(workers)], 0) / period
+                    for i in members[p]
+                ]
+            if delay:
+                pending.setdefault(t + delay, []).append((p, mean))
+            else:
+                apply(p, mean)
+        history.append(([[x.copy() for x in lw] for lw in local], list(centre), bool(pending)))
+    return history
+
+
+def _stream_problem(workers):
+    rng = np.random.default_rng(2)
+    a = {k: rng.uniform(0.5, 2.0, size=(workers, *s)) for k, s in STREAM_SHAPES.items()}
+    b = {k: rng.normal(size=(workers, *s)) for k, s in STREAM_SHAPES.items()}
+    p0 = {k: np.linspace(-1.0, 1.0, int(np.prod(s))).reshape(s) for k, s in STREAM_SHAPES.items()}
+    return a, b, p0
+
+
+def _members(fragments, p0):
+    layout = optax_accum._streaming.layout(fragments, p0)
+    return layout.members
+
+
+def _stream_step(tx):
+    def step(params, state, a, b):
+        grads = jax.tree.map(lambda a, p, b: a * (p - b), a, params, b)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _check_against_reference(trajectory, centres, reference, workers):
+    """`trajectory[t]` (the workers' params, stacked) and `centres[t]` (the centre)
+    against the reference after every step; the centre where no outer step is pending
+    (with a delay, agn moves the centre when the reduction is done, in the step after
+    the sync, and the workers take it `delay` steps after the sync)."""
+    keys = list(STREAM_SHAPES)
+    for t, (local, centre, pending) in enumerate(reference):
+        for i, k in enumerate(keys):
+            expected = np.stack([local[w][i] for w in range(workers)])
+            np.testing.assert_allclose(trajectory[k][t], expected, rtol=1e-12, atol=1e-13)
+            if not pending:
+                np.testing.assert_allclose(centres[k][t], centre[i], rtol=1e-12, atol=1e-13)
+
+
+STREAMING = [
+    # commit, delay, blend, fragments, period, workers, outer. period == fragments with a
+    # delay: a fragment on every step, reduced outside any branch (`_packed_mean`).
+    ("delta", 0, 0.0, 2, 4, 2, NpSGD(2.8, 0.9, nesterov=True)),
+    ("gradients", 0, 0.5, "tree", 6, 3, NpSGD(0.3)),
+    ("delta", 1, 0.0, 3, 3, 4, NpAdam(0.05)),
+    ("gradients", 1, 0.5, "path", 4, 8, NpSGD(0.2, 0.9, nesterov=True)),
+    ("delta", 2, 0.5, 3, 3, 5, NpSGD(1.5, 0.5)),
+    ("gradients", 2, 0.0, 2, 6, 2, NpAdam(0.05)),
+]
+
+
+def _fragments_spec(spec):
+    if spec == "tree":
+        return {"a": 1, "b": 0, "c": 2}
+    if spec == "path":
+        return lambda path: int(jax.tree_util.keystr(path) == "['c']")
+    return spec
+
+
+@pytest.mark.parametrize(
+    "commit,delay,blend,spec,period,workers,outer",
+    STREAMING,
+    ids=[f"{c[0]}-V{c[1]}-a{c[2]}-P{c[3]}-H{c[4]}-W{c[5]}" for c in STREAMING],
+)
+def test_streaming_matches_numpy_reference_in_float64(
+    commit, delay, blend, spec, period, workers, outer
+):
+    """V in {0, 1, 2}, alpha in {0, 0.5}, both commits, SGD, Nesterov and Adam outer
+    steps, 2 to 8 workers (`jax.vmap`), fragments by size, by tree and by path."""
+    inner = NpSGD(0.1, 0.9)
+    fragments = _fragments_spec(spec)
+    steps = 2 * period + 3
+    with _compat.enable_x64():
+        a, b, p0 = _stream_problem(workers)
+        tx = optax_accum.agn(
+            inner.optax(), period, axis_name="w", outer=outer.optax(), commit=commit,
+            fragments=fragments, delay=delay, blend=blend,
+        )  # fmt: skip
+        step = jax.vmap(_stream_step(tx), axis_name="w")
+
+        def body(carry, _):
+            params, state = step(*carry, a, b)
+            return (params, state), (params, jax.tree.map(lambda c: c[0], state.centre))
+
+        @jax.jit
+        def run(params):
+            state = jax.vmap(tx.init)(params)
+            return jax.lax.scan(body, (params, state), length=steps)[1]
+
+        stacked = jax.tree.map(lambda x: np.tile(x, (workers,) + (1,) * x.ndim), p0)
+        trajectory, centres = jax.device_get(run(stacked))
+        members = _members(fragments, p0)
+        keys = list(STREAM_SHAPES)
+        reference = np_streaming(
+            lambda w, t, local: [a[k][w] * (local[i] - b[k][w]) for i, k in enumerate(keys)],
+            [p0[k] for k in keys], period, steps, inner, outer, commit, workers, members,
+            delay, blend,
+        )  # fmt: skip
+    _check_against_reference(trajectory, centres, reference, workers)

@@ -89,6 +89,94 @@ BAD: list[Bad] = [
         r"state must be a AGNState \(as returned by this transform's init\), got "
         r"DropStaleGradientsState",
     ),
+    Bad(
+        "agn/period not a multiple of fragments",
+        lambda: optax_accum.agn(SGD, 100, fragments=37),
+        ValueError,
+        r"communication_period=100 must be a multiple of fragments=37.*choose a period of 74 "
+        r"or 111\); nothing is rounded",
+    ),
+    Bad(
+        "agn/period not a multiple of a tree's fragments",
+        lambda: optax_accum.agn(SGD, 3, fragments={"w": 0, "b": 1}).init(PARAMS),
+        ValueError,
+        r"communication_period=3 must be a multiple of the number of fragments, 2",
+    ),
+    Bad(
+        "agn/delay without fragments",
+        lambda: agn_tx(delay=1),
+        ValueError,
+        r"delay=1 and blend=0\.0 apply to fragments, got fragments=None",
+    ),
+    Bad(
+        "agn/blend without fragments",
+        lambda: agn_tx(blend=0.5),
+        ValueError,
+        r"delay=0 and blend=0\.5 apply to fragments, got fragments=None",
+    ),
+    Bad(
+        "agn/delay beyond the period",
+        lambda: agn_tx(fragments=1, delay=3),
+        ValueError,
+        r"delay must be between 0 and communication_period=2, got 3",
+    ),
+    Bad(
+        "agn/delay=1.5",
+        lambda: agn_tx(fragments=1, delay=1.5),
+        TypeError,
+        r"delay must be an int >= 0, got 1\.5 \(float\)",
+    ),
+    Bad(
+        "agn/blend=2",
+        lambda: agn_tx(fragments=1, blend=2.0),
+        ValueError,
+        r"blend must be in \[0, 1\], got 2\.0",
+    ),
+    Bad(
+        "agn/fragments=0",
+        lambda: agn_tx(fragments=0),
+        ValueError,
+        r"fragments must be a positive int, got 0",
+    ),
+    Bad(
+        "agn/more fragments than leaves",
+        lambda: agn_tx(fragments=2).init({"w": PARAMS["w"]}),
+        ValueError,
+        r"fragments=2 needs at least 2 param leaves, the params have 1",
+    ),
+    Bad(
+        "agn/a fragment with no leaf",
+        lambda: optax_accum.agn(SGD, 4, fragments={"w": 0, "b": 2}).init(PARAMS),
+        ValueError,
+        r"fragments must number every fragment from 0 to 2 with at least one leaf each, got "
+        r"no leaf in fragment 1",
+    ),
+    Bad(
+        "agn/a fragment number that is no int",
+        lambda: agn_tx(fragments=lambda path: "first").init(PARAMS),
+        TypeError,
+        r"fragments\(\['b'\]\) must be a fragment number \(an int >= 0\), got 'first'",
+    ),
+    Bad(
+        "agn/fragments of another tree",
+        lambda: agn_tx(fragments={"w": 0}).init(PARAMS),
+        ValueError,
+        r"fragments must be an int, a function of a leaf's path, or a tree of fragment numbers "
+        r"with the params' structure",
+    ),
+    Bad(
+        "agn/communication_dtype without axis_name",
+        lambda: agn_tx(communication_dtype=jnp.int8),
+        ValueError,
+        r"communication_dtype=int8 needs axis_name",
+    ),
+    Bad(
+        "agn/communication_dtype=float16",
+        lambda: agn_tx(axis_name="i", communication_dtype=jnp.float16),
+        ValueError,
+        r"communication_dtype must be None, jnp\.float32, jnp\.bfloat16, jnp\.int8 or "
+        r"jnp\.float8_e4m3fn, got float16",
+    ),
 ]
 
 
