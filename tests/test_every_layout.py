@@ -129,6 +129,19 @@ TRANSFORMS = {
         "mapped",
         takes_reduced=False,
     ),
+    # The window's gradient norm, recorded where the chain runs: on plain gradients
+    # alone (each step's), and inside an accumulator (the window's, at its release).
+    "record_global_norm": Transform(
+        lambda: optax.chain(optax_accum.record_global_norm(), _adam()),
+        "canonical",
+        takes_reduced=False,
+    ),
+    "record_global_norm_in_accumulator": Transform(
+        lambda: optax_accum.conditional_accumulator(
+            optax.chain(optax_accum.record_global_norm(), _adam()), 2
+        ),
+        "canonical",
+    ),
     "apply_gradients": Transform(
         lambda: optax_accum.conditional_accumulator(_adam(), 2), "apply_gradients"
     ),
@@ -555,7 +568,10 @@ def test_under_jit(name, layout, tmp_path_factory):
 # the explicit run's path without the type checks, and one train step stands for the
 # rest. cross_shard_optimizer runs eagerly on one device (under jax.vmap): an eager
 # jax.shard_map runs every op on every device from Python (15 s of CPU for a cell).
-CANONICAL = [name for name in CORE if TRANSFORMS[name].step == "canonical"]
+# The norm recorder alone runs eagerly inside the accumulator's cell (the same chain).
+CANONICAL = [
+    name for name in CORE if TRANSFORMS[name].step == "canonical" and name != "record_global_norm"
+]
 EAGER = (
     [(name, layout) for layout in ("explicit", "reduced") for name in CANONICAL]
     + [("cross_shard_optimizer", "one_device"), ("cross_shard_optimizer", "reduced")]
