@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import re
 
+import _hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -768,3 +769,161 @@ def test_streaming_matches_numpy_reference_in_float64(
             delay, blend,
         )  # fmt: skip
     _check_against_reference(trajectory, centres, reference, workers)
+
+
+def _stream_mesh(n):
+    return jax.make_mesh((n,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+ON_A_MESH = dict(commit="delta", delay=1, blend=0.5, fragments=3, period=3, workers=4)
+
+
+def test_streaming_under_shard_map_and_jit_on_a_mesh():
+    """One fragment a step (period == fragments, delay 1), 4 workers on 4 devices, in
+    float64: under `jax.shard_map` (state specs from `state_partition_specs`) and under
+    `jax.jit` of `jax.vmap(spmd_axis_name=...)`, each worker's params a row of an array
+    sharded over the mesh axis; both equal the reference. The state is laid out like
+    the params, and each step runs one all-reduce, outside any branch, of the largest
+    fragment (the sync's bytes: a fragment's, not the model's)."""
+    cfg = ON_A_MESH
+    inner, outer = NpSGD(0.1, 0.9), NpSGD(2.1, 0.9, nesterov=True)
+    steps, workers = 2 * cfg["period"] + 1, cfg["workers"]
+    with _compat.enable_x64():
+        a, b, p0 = _stream_problem(workers)
+        tx = optax_accum.agn(
+            inner.optax(), cfg["period"], axis_name="w", outer=outer.optax(),
+            commit=cfg["commit"], fragments=cfg["fragments"], delay=cfg["delay"],
+            blend=cfg["blend"],
+        )  # fmt: skip
+        mesh = _stream_mesh(workers)
+        specs = optax_accum.state_partition_specs(tx, p0, mesh, param_axes=("w",))
+        assert all(s == P() for s in jax.tree.leaves((specs.centre, specs.outer_state)))
+        assert all(s == P("w") for s in jax.tree.leaves(specs.inner_state))
+        stacked = jax.tree.map(lambda x: np.tile(x, (workers,) + (1,) * x.ndim), p0)
+        with jax.set_mesh(mesh):
+            rows = jax.sharding.NamedSharding(mesh, P("w"))
+            stacked, a, b = jax.device_put((stacked, a, b), rows)
+            # shard_map: each device one worker, its params a (1, ...) block.
+            one = functools.partial(jax.tree.map, lambda x: x[0])
+
+            def mapped(params, state, a, b):
+                params, state = _stream_step(tx)(one(params), state, one(a), one(b))
+                return jax.tree.map(lambda x: x[None], params), state
+
+            per_worker = jax.tree.map(lambda _: P("w"), stacked)
+            smap = jax.shard_map(
+                mapped, mesh=mesh, in_specs=(per_worker, specs, per_worker, per_worker),
+                out_specs=(per_worker, specs),
+            )  # fmt: skip
+            init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+            state = jax.jit(init)(p0)
+            compiled = jax.jit(smap).lower(stacked, state, a, b).compile()
+            # jit on the mesh: the workers a vmapped axis laid out over "w".
+            vstep = jax.jit(jax.vmap(_stream_step(tx), axis_name="w", spmd_axis_name="w"))
+            vstate = jax.jit(jax.vmap(tx.init, spmd_axis_name="w"))(stacked)
+            runs = {"shard_map": (stacked, state), "jit": (stacked, vstate)}
+            trajectories = {name: [] for name in runs}
+            for _ in range(steps):
+                runs["shard_map"] = compiled(*runs["shard_map"], a, b)
+                runs["jit"] = vstep(*runs["jit"], a, b)
+                for name, (params, state) in runs.items():
+                    centre = state.centre if name == "shard_map" else one(state.centre)
+                    trajectories[name].append((jax.device_get(params), jax.device_get(centre)))
+        vstate = runs["jit"][1]
+        for leaf in jax.tree.leaves((vstate.centre, vstate.inner_state, vstate.outer_state)):
+            if leaf.ndim:
+                assert leaf.sharding.spec[0] == "w", leaf.sharding  # laid out like the params
+        keys = list(STREAM_SHAPES)
+        members = _members(cfg["fragments"], p0)
+        reference = np_streaming(
+            lambda w, t, local: [a[k][w] * (local[i] - b[k][w]) for i, k in enumerate(keys)],
+            [p0[k] for k in keys], cfg["period"], steps, inner, outer, cfg["commit"], workers,
+            members, cfg["delay"], cfg["blend"],
+        )  # fmt: skip
+    for history in trajectories.values():
+        trajectory = {k: np.stack([h[0][k] for h in history]) for k in keys}
+        centres = {k: np.stack([h[1][k] for h in history]) for k in keys}
+        _check_against_reference(trajectory, centres, reference, workers)
+    largest = max(int(np.prod(s)) for s in STREAM_SHAPES.values())
+    found = _hlo.collectives(compiled)
+    assert [(c.opcode, c.nbytes, c.every_step) for c in found] == [
+        ("all-reduce", 8 * largest, True)
+    ]
+
+
+def test_streaming_syncs_in_branches_and_int8_on_the_wire():
+    """A sync every other step (period 4, 2 fragments) runs its reduction inside its
+    fragment's branch only; with a fragment every step and `communication_dtype=int8`,
+    each step sends the fragment as an all-to-all and an all-gather of int8 blocks:
+    1/3.94 of the bytes of the float32 all-reduce (8 workers under `jax.shard_map`)."""
+    mesh = _stream_mesh(WORKERS)
+    params = {"x": jnp.zeros((64, 256)), "y": jnp.zeros((32, 512))}  # 64 blocks each
+
+    def compiled(**kwargs):
+        tx = optax_accum.agn(optax.sgd(0.1), axis_name="w", commit="delta", **kwargs)
+        specs = optax_accum.state_partition_specs(tx, params, mesh, param_axes=("w",))
+        per_worker = jax.tree.map(lambda _: P("w"), params)
+
+        def step(params, state):
+            updates, state = tx.update(params, state, params)
+            return optax.apply_updates(params, updates), state
+
+        fn = jax.shard_map(
+            step, mesh=mesh, in_specs=(per_worker, specs), out_specs=(per_worker, specs)
+        )
+        stacked = jax.tree.map(lambda x: jnp.zeros((WORKERS * x.shape[0], *x.shape[1:])), params)
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        with jax.set_mesh(mesh):
+            state = jax.eval_shape(init, params)
+            return _hlo.collectives(jax.jit(fn).lower(stacked, state).compile())
+
+    branches = compiled(communication_period=4, fragments=2, delay=1)
+    assert branches and not any(c.every_step for c in branches)
+    assert {c.opcode for c in branches} == {"all-reduce"}
+    plain = compiled(communication_period=2, fragments=2, delay=1)
+    narrow = compiled(communication_period=2, fragments=2, delay=1, communication_dtype=jnp.int8)
+    assert [(c.opcode, c.every_step) for c in plain] == [("all-reduce", True)]
+    assert sorted((c.opcode, c.every_step) for c in narrow) == [
+        ("all-gather", True),
+        ("all-to-all", True),
+    ]
+    sent = lambda found: sum({"all-reduce": 2}.get(c.opcode, 1) * c.nbytes for c in found)  # noqa: E731
+    assert sent(narrow) / sent(plain) == (1 + 4 / 256) / 4 <= 1 / 3.9
+
+
+def test_streaming_abstract_init_eager_equals_jit_and_skips_counted():
+    """Init on `jax.ShapeDtypeStruct` params gives the state's shapes and dtypes; an
+    eager run equals the jitted one bit for bit (2 workers under `jax.vmap`, a NaN
+    gradient on one of them skipped there and counted at the next reduction)."""
+    tx = optax_accum.agn(
+        optax.sgd(0.1), 4, axis_name="w", outer=adam(0.05), fragments=2, delay=2, blend=0.5,
+        skip_nonfinite=True,
+    )  # fmt: skip
+    p0 = {"a": jnp.linspace(-1.0, 1.0, 3), "b": jnp.ones((2, 2))}
+    abstract = tx.init(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p0))
+    concrete = tx.init(p0)
+    assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+    for x, y in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete), strict=True):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype)
+    assert len(concrete.outer_state) == 2
+
+    def step(params, state, poison):
+        grads = jax.tree.map(lambda p: jnp.where(poison, jnp.nan, p - 0.5), params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = jax.tree.map(lambda x: jnp.stack([x, -x]), p0)
+    runs = {"eager": jax.vmap(step, axis_name="w"), "jit": jax.jit(jax.vmap(step, axis_name="w"))}
+    ends = {}
+    for name, run in runs.items():
+        carry = (params, jax.vmap(tx.init)(params))
+        for t in range(5):
+            carry = run(*carry, jnp.asarray([t == 1, False]))
+        ends[name] = carry
+    for x, y in zip(*(jax.tree.leaves(e) for e in ends.values()), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    state = ends["jit"][1]
+    # Sync steps 2 and 4, each reduced in the next step (delay >= 1), the skip of step 2
+    # counted in the first.
+    np.testing.assert_array_equal(state.global_step, [2, 2])
+    np.testing.assert_array_equal(state.num_nonfinite, [1, 1])
