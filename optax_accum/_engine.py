@@ -267,10 +267,16 @@ def counted(
 
 def tallied(counters: Any, counts: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """The counters of `counts`' names (fields of a state, or a dict's entries), each
-    plus its count (saturating: int32 counters never wrap), as keyword arguments for
-    `state._replace`."""
+    plus its count (an int32, or a bool flag for one; saturating: int32 counters never
+    wrap), as keyword arguments for `state._replace`."""
     read = counters.__getitem__ if isinstance(counters, Mapping) else counters.__getattribute__
-    return {name: _counters.saturating_add(read(name), n) for name, n in counts.items()}
+
+    def add(counter: jax.Array, n: jax.Array) -> jax.Array:
+        if jnp.result_type(n) == jnp.bool_:  # a flag: one select, no conversion
+            return _counters.increment_if(n, counter)
+        return _counters.saturating_add(counter, n)
+
+    return {name: add(read(name), n) for name, n in counts.items()}
 
 
 # --------------------------------------------------------------------------- the engine
