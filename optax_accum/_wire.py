@@ -9,9 +9,9 @@ travel narrow and are never summed narrow:
    blocks of all leaves are laid end to end (a block never spans two leaves) and
    padded to a whole number of blocks per replica;
 2. each block is encoded on its own: int8 and float8 (`jnp.float8_e4m3fn`) as
-   `round(x / scale)` with a float32 `scale = max|block| / qmax` (127, 448), sent
-   with the scale beside it (its 4 bytes, bitcast, so one collective carries both);
-   bfloat16 as it is, without scales;
+   `round(x / scale)` with a float32 `scale = max|block| / qmax` (127, 448), the
+   scales in collectives of their own beside the values'; bfloat16 as it is, without
+   scales;
 3. one all-to-all gives replica r the r-th share of every replica's blocks; it decodes
    them to float32 and sums them there, in float32 (divides by the replica count for
    a mean), then encodes the share's sum (new scales) and one all-gather hands every
@@ -36,7 +36,6 @@ releases".
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,74 +83,80 @@ def wire_dtype(name: str, value: Any) -> np.dtype | None:
 # --------------------------------------------------------------------------- encoding
 
 
-def _encoded(blocks: jax.Array, dtype: np.dtype) -> jax.Array:
-    """float32 `(..., BLOCK)` blocks as bytes: `(..., BLOCK + 4)` uint8, each block's
-    values in `dtype` then its float32 scale; bfloat16 `(..., BLOCK)` as uint16 (XLA:CPU
-    would move a bfloat16 collective in float32)."""
+def _encoded(blocks: jax.Array, dtype: np.dtype) -> tuple:
+    """float32 `(..., BLOCK)` blocks encoded: `(values, scales)`, the values in
+    `dtype` as bytes (bfloat16 as uint16: XLA:CPU would move a bfloat16 collective in
+    float32) and one float32 scale per block (none for bfloat16). The two travel in
+    collectives of their own: bytes laid beside the scales along the blocks' minor
+    axis would make the TPU lay the blocks out transposed, a copy of each leaf."""
     qmax = _QMAX[dtype]
     if qmax is None:
-        return lax.bitcast_convert_type(blocks.astype(dtype), jnp.uint16)
-    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+        return lax.bitcast_convert_type(blocks.astype(dtype), jnp.uint16), None
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
     scale = amax / jnp.float32(qmax)
     safe = jnp.where(scale > 0, scale, jnp.ones((), jnp.float32))
-    x = jnp.clip(blocks / safe, -qmax, qmax)
+    x = jnp.clip(blocks / safe[..., None], -qmax, qmax)
     values = jnp.round(x).astype(jnp.int8) if dtype == np.dtype(jnp.int8) else x.astype(dtype)
-    as_bytes = lax.bitcast_convert_type(values, jnp.uint8)
-    scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape((*scale.shape[:-1], 4))
-    return jnp.concatenate([as_bytes, scale_bytes], axis=-1)
+    return lax.bitcast_convert_type(values, jnp.uint8), scale
 
 
-def _decoded(sent: jax.Array, dtype: np.dtype) -> jax.Array:
+def _decoded(sent: tuple, dtype: np.dtype) -> jax.Array:
     """`_encoded`'s blocks back in float32."""
-    if _QMAX[dtype] is None:
-        return lax.bitcast_convert_type(sent, dtype).astype(jnp.float32)
-    values = lax.bitcast_convert_type(sent[..., :BLOCK], dtype).astype(jnp.float32)
-    scale = lax.bitcast_convert_type(sent[..., BLOCK:], jnp.float32)
-    return values * scale[..., None]
+    values, scale = sent
+    decoded = lax.bitcast_convert_type(values, dtype).astype(jnp.float32)
+    return decoded if scale is None else decoded * scale[..., None]
 
 
 # --------------------------------------------------------------------------- packing
 
 
-def _packed(leaves: list) -> tuple[jax.Array, Callable[[jax.Array], list]]:
-    """The leaves' values as float32 blocks `(num_blocks, BLOCK)`, each leaf padded to
-    whole blocks, and the function that cuts a `(num_blocks, BLOCK)` array back into
-    leaves (their shapes and dtypes)."""
-    sizes = [int(np.prod(jnp.shape(x))) for x in leaves]
-    counts = [-(-s // BLOCK) for s in sizes]
-    parts = []
-    for x, size, count in zip(leaves, sizes, counts, strict=True):
-        flat = jnp.ravel(x).astype(jnp.float32)
-        parts.append(jnp.pad(flat, (0, count * BLOCK - size)))
-    blocks = jnp.concatenate(parts).reshape(-1, BLOCK)
+def _blocks(x: jax.Array) -> jax.Array:
+    """A leaf's values as float32 blocks `(count, BLOCK)`, its last block padded."""
+    flat = jnp.ravel(x).astype(jnp.float32)
+    return jnp.pad(flat, (0, -flat.size % BLOCK)).reshape(-1, BLOCK)
 
-    def unpacked(out: jax.Array) -> list:
-        flat, start, result = out.reshape(-1), 0, []
-        for x, size, count in zip(leaves, sizes, counts, strict=True):
-            result.append(flat[start : start + size].reshape(jnp.shape(x)).astype(x.dtype))
-            start += count * BLOCK
-        return result
 
-    return blocks, unpacked
+def _each(fn: Any, sent: tuple) -> tuple:
+    """`fn` on the values and the scales (if any) of encoded blocks."""
+    return tuple(None if a is None else fn(a) for a in sent)
 
 
 def _narrow_sum(leaves: list, axis_name: Any, dtype: np.dtype, mean: bool) -> list:
     """The leaves summed (averaged) over `axis_name` through `dtype`: all-to-all,
-    float32 sum, all-gather (see the module docstring)."""
+    float32 sum, all-gather (see the module docstring). Each leaf is encoded and decoded
+    on its own, so only the narrow bytes are ever laid end to end."""
     n = _collectives.axis_size(axis_name)
-    blocks, unpacked = _packed(leaves)
-    share = -(-blocks.shape[0] // n)
-    blocks = jnp.pad(blocks, ((0, share * n - blocks.shape[0]), (0, 0)))
-    sent = _encoded(blocks, dtype).reshape(n, share, -1)
+    encoded = [_encoded(_blocks(x), dtype) for x in leaves]
+    counts = [e[0].shape[0] for e in encoded]
+    share = -(-sum(counts) // n)
+
+    def shares(parts: list) -> jax.Array:  # laid end to end, padded, split in n shares
+        whole = jnp.concatenate(parts)
+        pad = [(0, share * n - whole.shape[0])] + [(0, 0)] * (whole.ndim - 1)
+        return jnp.pad(whole, pad).reshape(n, share, *whole.shape[1:])
+
+    sent = tuple(None if e[0] is None else shares(list(e)) for e in zip(*encoded, strict=True))
     names = frozenset(_collectives.names(axis_name))
     if names <= set(jax.sharding.get_abstract_mesh().manual_axes):
-        sent = _compat.make_varying(sent, names)  # an invariant value is each replica's own
-    got = lax.all_to_all(sent, axis_name, 0, 0)  # got[j]: replica j's r-th share
+        # an invariant value is each replica's own
+        sent = _each(lambda a: _compat.make_varying(a, names), sent)
+    got = _each(lambda a: lax.all_to_all(a, axis_name, 0, 0), sent)  # [j]: replica j's
     total = jnp.sum(_decoded(got, dtype), axis=0)
     if mean:
         total = total / jnp.float32(n)
-    gathered = _collectives.all_gather(_encoded(total, dtype), axis_name, invariant=True)
-    return unpacked(_decoded(gathered.reshape(n * share, -1), dtype))
+    gathered = _each(
+        lambda a: _collectives.all_gather(a, axis_name, invariant=True).reshape(
+            n * share, *a.shape[1:]
+        ),
+        _encoded(total, dtype),
+    )
+    out, start = [], 0
+    for x, count in zip(leaves, counts, strict=True):
+        part = _each(lambda a, start=start, count=count: a[start : start + count], gathered)
+        values = _decoded(part, dtype).reshape(-1)
+        out.append(values[: x.size].reshape(jnp.shape(x)).astype(x.dtype))
+        start += count
+    return out
 
 
 # --------------------------------------------------------------------------- reductions
@@ -167,8 +172,8 @@ def reduced(
     one all-reduce). bfloat16, int8 or float8_e4m3fn send the values in that type (int8
     and float8 with a float32 scale per block of `BLOCK` values), sum them in float32
     and send the sum back the same way: one all-to-all and one all-gather for the whole
-    tree. The leaves come back in their own dtypes. The module docstring gives the error
-    and the bytes.
+    tree (and one of each for the scales). The leaves come back in their own dtypes.
+    The module docstring gives the error and the bytes.
     """
     dtype = wire_dtype("communication_dtype", communication_dtype)
     leaves, treedef = jax.tree.flatten(tree)

@@ -205,13 +205,16 @@ def _programs(dtype_name: str) -> tuple:
 def test_bytes_per_sync_read_from_the_compiled_programs(name):
     for plain, narrow in zip(_programs("none"), _programs(name), strict=True):
         assert {c.opcode for c in plain} == {"all-reduce"}
-        assert sorted(c.opcode for c in narrow) == ["all-gather", "all-to-all"]
+        pairs = 1 if name == "bfloat16" else 2  # the values, and the scales apart
+        assert sorted(c.opcode for c in narrow) == ["all-gather"] * pairs + ["all-to-all"] * pairs
         ratio = _wire_bytes(narrow) / _wire_bytes(plain)
         if name == "bfloat16":
             assert ratio == 0.5
         else:  # 1 byte a value and 4 a block of 256: (1 + 4/256) / 4 = 1/3.94
             assert ratio == (1 + 4 / 256) / 4
             assert ratio <= 1 / 3.9
+    # The TPU compiler itself (tests/test_quantized_release.py) turns the scales'
+    # all-gather into an all-reduce of the same bytes: 1/3.91 there.
 
 
 # --------------------------------------------------------------------------- bad input
