@@ -1,0 +1,277 @@
+"""Leaves that combine by max or min (`reduction` per leaf, `optax_accum._extrema`).
+
+- marin #7659's case: FP8 delayed scaling keeps an amax history that each micro-batch
+  rewrites (its new amax in front); `optax.MultiSteps` averages the micro-batches'
+  histories, so the window's amax is their mean, the scale too large, and the largest
+  activations are clipped with no error and no NaN. A "max" leaf releases the true max.
+- Every reduction against a float64 NumPy model (weights, stale and NaN gradients, two
+  windows), the reduction given as a function of the leaf path.
+- Under `jax.shard_map` with `axis_name`: a held step moves nothing gradient-sized, the
+  release runs one max all-reduce; in a nest; in the sparse accumulator.
+- Bad input: a max on a sparse leaf or on a param typed reduced, an `IndexedSlices` or
+  an unreduced gradient for a max leaf, a tree that does not fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _hlo import collectives
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum import _compat
+
+E4M3_MAX = 448.0
+HISTORY = 8
+
+
+def _overwrite() -> optax.GradientTransformation:
+    """FP8 meta params take their "gradient" as their new value (Flax's
+    `OverwriteWithGradient`, levanter's `CustomGradientAccumulation`)."""
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params: (jax.tree.map(lambda g, p: g - p, updates, params), state),
+    )
+
+
+def _fp8_inner() -> optax.GradientTransformation:
+    labels = {"kernel": "sgd", "fp8_meta": {"amax_history": "overwrite"}}
+    return optax.multi_transform({"sgd": optax.sgd(0.1), "overwrite": _overwrite()}, labels)
+
+
+def test_marin_7659_the_window_keeps_its_true_amax_where_multisteps_averages_it():
+    rng = np.random.default_rng(0)
+    history = np.full(HISTORY, 1.0, np.float32)
+    params = {"kernel": jnp.ones((4, 4)), "fp8_meta": {"amax_history": jnp.asarray(history)}}
+    # Four micro-batches; the third holds an outlier activation (9.0).
+    activations = [rng.uniform(-1, 1, size=64).astype(np.float32) for _ in range(4)]
+    activations[2][17] = 9.0
+
+    def micro_grads(x: np.ndarray) -> dict:  # the new history, this batch's amax in front
+        new = np.roll(history, 1)
+        new[0] = np.abs(x).max()
+        return {"kernel": jnp.full((4, 4), float(x.mean())), "fp8_meta": {"amax_history": new}}
+
+    ours = optax_accum.conditional_accumulator(
+        _fp8_inner(), 4, reduction={"kernel": "mean", "fp8_meta": "max"}
+    )
+    theirs = optax.MultiSteps(_fp8_inner(), 4)
+    out = {}
+    for name, tx in (("ours", ours), ("multisteps", theirs)):
+        # MultiSteps mixes int32 and float32 in its own code (strict promotion here).
+        with jax.numpy_dtype_promotion("standard"):
+            step = jax.jit(lambda p, s, g, tx=tx: _applied(tx, p, s, g))
+            p, s = params, tx.init(params)
+            for x in activations:
+                p, s = step(p, s, micro_grads(x))
+        out[name] = p
+    amax = {k: float(v["fp8_meta"]["amax_history"][0]) for k, v in out.items()}
+    true_amax = max(float(np.abs(x).max()) for x in activations)
+    assert amax["ours"] == true_amax == 9.0
+    assert amax["multisteps"] == pytest.approx(np.mean([np.abs(x).max() for x in activations]))
+    np.testing.assert_allclose(out["ours"]["kernel"], out["multisteps"]["kernel"], rtol=1e-6)
+    # The scale from the history: the outlier batch quantized with MultiSteps' scale
+    # clips its largest activation, silently (everything finite); with ours, nothing.
+    for name, clipped in (("ours", 0), ("multisteps", 1)):
+        scale = E4M3_MAX / float(np.max(out[name]["fp8_meta"]["amax_history"]))
+        scaled = activations[2] * scale
+        assert np.all(np.isfinite(np.asarray(out[name]["fp8_meta"]["amax_history"])))
+        assert int(np.sum(np.abs(scaled) > E4M3_MAX)) == clipped, name
+
+
+def _applied(tx, params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _model(grads: np.ndarray, tags: list, weights: np.ndarray, k: int) -> list:
+    """Each release of an accumulator of `k` gradients whose leaves reduce by sum,
+    mean, max and min (weights scale sum and mean only), in float64."""
+    releases, window, step = [], [], 0
+    for g, tag, w in zip(grads, tags, weights, strict=True):
+        if tag < step:
+            continue
+        window.append((g, w))
+        if len(window) == k:
+            gs, ws = np.stack([a for a, _ in window]), np.array([b for _, b in window])
+            total = np.einsum("i,i...->...", ws, gs)
+            releases.append(
+                {"sum": total, "mean": total / ws.sum(), "max": gs.max(0), "min": gs.min(0)}
+            )
+            window, step = [], step + 1
+    return releases
+
+
+def test_every_reduction_matches_the_float64_model():
+    rng = np.random.default_rng(1)
+    steps, k = 9, 3
+    grads = rng.normal(size=(steps, 5))
+    tags = [0, 0, 0, 0, 1, 0, 1, 1, 1]  # step 5's tag is stale once a window is out
+    weights = rng.uniform(0.5, 2.0, size=steps).astype(np.float32)  # weights are float32
+    grads[5] = np.nan  # stale: must reach no leaf
+    with _compat.enable_x64():
+        tx = optax_accum.conditional_accumulator(
+            optax.identity(), k, reduction=lambda path: path[0].key
+        )
+        params = {name: jnp.zeros(5) for name in ("sum", "mean", "max", "min")}
+        update = jax.jit(tx.update)
+        state, got = tx.init(params), []
+        for g, tag, w in zip(grads, tags, weights, strict=True):
+            tree = {name: jnp.asarray(g) for name in params}
+            u, state = update(tree, state, local_step=tag, weight=w)
+            if bool(state.emitted):
+                got.append(u)
+    expected = _model(grads, tags, weights, k)
+    assert len(got) == len(expected) == 2
+    for g, e in zip(got, expected, strict=True):
+        for name in e:
+            np.testing.assert_allclose(g[name], e[name], rtol=1e-12, err_msg=name)
+
+
+def test_a_nest_takes_the_max_of_both_levels():
+    inner = optax_accum.conditional_accumulator(optax.identity(), 2, reduction="max")
+    tx = optax_accum.conditional_accumulator(inner, 2, reduction={"a": "max", "b": "max"})
+    params = {"a": jnp.zeros(3), "b": jnp.zeros(())}
+    grads = np.array([[1.0, -5, 2], [4, -6, 0], [2, -7, 3], [3, -8, 1]])
+    update, state = jax.jit(tx.update), tx.init(params)
+    for i, g in enumerate(grads):
+        u, state = update({"a": g, "b": -g.sum()}, state)
+        if i < 3:  # the outer releases at 1 and 3, the inner (to identity) at 3 only
+            assert not np.any(np.asarray(u["a"])), i
+    np.testing.assert_array_equal(u["a"], grads.max(0))
+    assert float(u["b"]) == (-grads.sum(1)).max()
+
+
+def test_the_sparse_accumulator_takes_the_max_of_a_dense_leaf():
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(1.0), 2, capacity=4, reduction={"table": "mean", "amax": "max"}
+    )
+    params = {"table": jnp.zeros((8, 2)), "amax": jnp.zeros(3)}
+    state = tx.init(params)
+    assert type(state.storage["amax"]).__name__ == "RunningMax"
+    update = jax.jit(tx.update)
+    for ids, amax in (([1, 2], [1.0, 5.0, 2.0]), ([2, 3], [3.0, 4.0, 0.5])):
+        rows = optax_accum.IndexedSlices(jnp.asarray(ids), jnp.ones((2, 2)), (8, 2))
+        u, state = update({"table": rows, "amax": jnp.asarray(amax)}, state)
+    np.testing.assert_array_equal(u["amax"], [-3.0, -5.0, -2.0])  # sgd(1.0): minus the max
+    assert u["table"].indices.tolist()[:3] == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- axis_name
+
+
+N = 8
+
+
+@functools.cache
+def _sharded() -> tuple:
+    """`conditional_accumulator` (identity, 2 N gradients a window, "w" mean and
+    "amax" max) under `jax.shard_map` over 8 devices: the compiled step and state."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = optax_accum.conditional_accumulator(
+        optax.identity(), 2 * N, axis_name="data", reduction={"w": "mean", "amax": "max"}
+    )
+    params = {"w": jnp.zeros((16, 16)), "amax": jnp.zeros(16)}
+    specs = optax_accum.state_partition_specs(tx, params, mesh)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    state = jax.jit(init)(params)
+
+    def body(state, grads):
+        updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+        return updates, state
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs))
+    grads = {k: jax.ShapeDtypeStruct((N, *v.shape), v.dtype) for k, v in params.items()}
+    grads = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P("data"))),
+        grads,
+    )
+    compiled = jax.jit(mapped, donate_argnums=(0,)).lower(state, grads).compile()
+    return compiled, state, mesh
+
+
+def _max_all_reduces(text: str) -> list[str]:
+    """The all-reduces whose reduction computation takes a maximum."""
+    comps = dict(re.findall(r"^%?([\w.\-]+) .*?\{\n(.*?)\n\}", text, flags=re.M | re.S))
+    found = []
+    for line in text.splitlines():
+        if " all-reduce(" in line or " all-reduce-start(" in line:
+            target = re.search(r"to_apply=%?([\w.\-]+)", line)
+            if target and " maximum(" in comps.get(target.group(1), ""):
+                found.append(line)
+    return found
+
+
+def test_axis_name_holds_per_replica_and_the_release_takes_one_max():
+    compiled, state, mesh = _sharded()
+    found = collectives(compiled)
+    assert all(c.nbytes <= 64 for c in found if c.every_step), found  # the counts alone
+    released = [c for c in found if not c.every_step]
+    assert sorted(c.nbytes for c in released) == [16 * 4, 16 * 16 * 4], released
+    assert len(_max_all_reduces(compiled.as_text())) == 1
+    rng = np.random.default_rng(2)
+    data = [{"w": rng.normal(size=(N, 16, 16)), "amax": rng.uniform(size=(N, 16))} for _ in "ab"]
+    data = jax.tree.map(lambda a: a.astype(np.float32), data)
+    for step in data:
+        placed = jax.device_put(step, NamedSharding(mesh, P("data")))
+        updates, state = compiled(state, placed)
+    both = jax.tree.map(lambda a, b: np.concatenate([a, b]), *data)
+    np.testing.assert_array_equal(updates["amax"], both["amax"].max(0))
+    np.testing.assert_allclose(updates["w"], both["w"].mean(0), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_a_max_on_a_sparse_leaf_is_refused_at_init():
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(1.0), 2, capacity=2, reduction="max"
+    )
+    with pytest.raises(ValueError, match=r"reduction \"max\" is for dense leaves, but params"):
+        tx.init({"table": jnp.zeros((8, 2))})
+
+
+def test_an_indexed_slices_for_a_max_leaf_is_refused():
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax_accum.sparse_sgd(1.0), 2, capacity=2, reduction="max", sparse={"t": False}
+    )
+    state = tx.init({"t": jnp.zeros((8, 2))})
+    rows = optax_accum.IndexedSlices(jnp.array([1]), jnp.ones((1, 2)), (8, 2))
+    with pytest.raises(TypeError, match=r"updates\['t'\] must be an array \(reduction \"max\""):
+        tx.update({"t": rows}, state)
+
+
+def test_a_tree_that_does_not_fit_and_a_bad_function_are_refused():
+    tx = optax_accum.conditional_accumulator(optax.identity(), 2, reduction={"a": "max"})
+    with pytest.raises(ValueError, match=r"reduction must be a tree shaped like the params"):
+        tx.init({"b": jnp.zeros(2)})
+    tx = optax_accum.conditional_accumulator(optax.identity(), 2, reduction=lambda path: "avg")
+    with pytest.raises(ValueError, match=r"got 'avg' from reduction\(.*\) for params\['b'\]"):
+        tx.init({"b": jnp.zeros(2)})
+
+
+def test_a_max_leaf_refuses_a_param_typed_reduced_and_an_unreduced_gradient():
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def struct(spec: P) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    tx = optax_accum.conditional_accumulator(optax.identity(), 2, reduction="max")
+    with jax.set_mesh(mesh):
+        with pytest.raises(TypeError, match=r"params\['a'\] has reduction \"max\" but is typed"):
+            jax.eval_shape(tx.init, {"a": struct(P(None, reduced={"data"}))})
+        state = jax.eval_shape(tx.init, {"a": struct(P(None))})
+        grads = {"a": struct(P(None, unreduced={"data"}))}
+        with pytest.raises(TypeError, match=r"updates\['a'\] must hold its true values"):
+            jax.eval_shape(tx.update, grads, state)
