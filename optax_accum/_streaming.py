@@ -370,7 +370,11 @@ def step(
     (num_nonfinite, num_skipped), (round_nonfinite, round_skipped) = skipped
     global_step = _counters.increment_if(synced, state.global_step)
     blends = [schedule.blends(p, next_count, global_step) for p in range(layout.count)]
-    new_updates = _blended(rules, layout, blends, centre, p_leaves, u_leaves)
+    # With a delay of 2 or more, no fragment is blended in the step that reduces it: the
+    # blend reads the centre the step was given, so this step's updates do not wait for
+    # its reduction, which may then run until the end of the step.
+    taken = c_leaves if rules.delay >= 2 else centre
+    new_updates = _blended(rules, layout, blends, taken, p_leaves, u_leaves)
     new_state = state._replace(
         global_step=global_step,
         count=next_count,
