@@ -883,10 +883,10 @@ def test_streaming_syncs_in_branches_and_int8_on_the_wire():
     plain = compiled(communication_period=2, fragments=2, delay=1)
     narrow = compiled(communication_period=2, fragments=2, delay=1, communication_dtype=jnp.int8)
     assert [(c.opcode, c.every_step) for c in plain] == [("all-reduce", True)]
-    assert sorted((c.opcode, c.every_step) for c in narrow) == [
-        ("all-gather", True),
-        ("all-to-all", True),
-    ]
+    assert {c.opcode for c in narrow} == {"all-gather", "all-to-all"}
+    assert all(c.every_step for c in narrow)
+    # Each device sends an all-reduce's result twice over a ring, an all-to-all's and an
+    # all-gather's once: 1 byte a value and 4 a block of 256 against 4 bytes a value.
     sent = lambda found: sum({"all-reduce": 2}.get(c.opcode, 1) * c.nbytes for c in found)  # noqa: E731
     assert sent(narrow) / sent(plain) == (1 + 4 / 256) / 4 <= 1 / 3.9
 
