@@ -45,7 +45,7 @@ LEGEND = """\
 acc.      test accuracy of the trained model (AGN: the centre) on 360 held-out digits
 updates   updates the optimizer applied (TF's global step; AGN: communication rounds)
 dropped   gradients dropped as stale (sparse: or rejected for overflowing `capacity`)
-all-red.  all-reduces run in the whole training run; "-": one device, none needed
+all-red.  all-reduces (AGN: syncs) in the whole run; "-": one device, none needed
 s         wall-clock seconds of the run, compilation included
 mild      [accumulate] 4 workers, small Adam steps: a stale gradient still points downhill
 heavy     [accumulate] 16 workers, 10x the step: a stale gradient undoes progress"""
@@ -67,7 +67,8 @@ class Row:
     `curve` is a list of `(step, accuracy)` pairs; `all_reduces` is None for a run
     on one device. `panel` splits a section: its rows with the same `panel` share a
     block of the table and a panel of the plot, headed by it instead of the section's
-    title.
+    title. `moved`, where a section records it, is a list of `(step, bytes)` pairs, the
+    bytes sent so far, drawn on a second axis of the panel.
     """
 
     section: str
@@ -79,6 +80,7 @@ class Row:
     seconds: float = 0.0
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     panel: str = ""
+    moved: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def _heading(row: Row) -> str:
@@ -136,10 +138,17 @@ def save_plot(rows: Sequence[Row], path: str) -> None:
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (section, heading) in zip(axes.flat, panels, strict=False):
+        moved = ax.twinx() if any(r.moved for r in rows if _heading(r) == heading) else None
         for r in rows:
             if _heading(r) == heading and r.curve:
                 steps, accuracy = zip(*r.curve, strict=True)
-                ax.plot(steps, accuracy, label=r.method, linewidth=1.3)
+                (line,) = ax.plot(steps, accuracy, label=r.method, linewidth=1.3)
+                if moved is not None and r.moved:
+                    steps, sent = zip(*r.moved, strict=True)
+                    moved.plot(steps, sent, color=line.get_color(), linestyle=":", linewidth=1)
+        if moved is not None:
+            moved.set_yscale("log")
+            moved.set_ylabel("bytes sent by each worker (dotted)")
         ax.set_title(heading, fontsize=9)
         ax.set_xlabel(XLABELS.get(section, "training step"))
         ax.set_ylabel("test accuracy")

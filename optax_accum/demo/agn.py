@@ -3,15 +3,18 @@
 Eight workers each train on their own shard of digits and see the same examples in
 every method. Synchronous SGD (`cross_shard_optimizer`) all-reduces gradients every
 step; `agn` all-reduces once per `communication_period` steps: as TF does it, with the
-outer learning rate scaled by the period, and with DiLoCo's delta commit. The table
-reports the centre's final test accuracy and the number of all-reduces. The workers
-run on 8 devices with `jax.shard_map` when there are 8, else under `jax.vmap`.
-`benchmarks/agn.py` runs `study` with more methods, steps and seeds.
+outer learning rate scaled by the period, with DiLoCo's delta commit, and as Streaming
+DiLoCo (a layer at a time, reduced a step late, in int8 on the wire). The table
+reports the centre's final test accuracy and the number of syncs; the plot also shows
+the bytes the syncs moved. The workers run on 8 devices with `jax.shard_map` when
+there are 8, else under `jax.vmap`. `benchmarks/agn.py` runs `study` with more
+methods, steps and seeds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,17 +38,61 @@ class Method:
 
     `make(axis_name)` builds the transform; `model(params, state)` is the model the
     method evaluates (the centre for AGN); `synced(state)` tells whether the last step
-    all-reduced.
+    synced; `wire(params)` gives the bytes each sync sends, in the order the syncs
+    come (they cycle): default, the whole model in float32.
     """
 
     name: str
     make: Callable[[str], optax.GradientTransformationExtraArgs]
     model: Callable[[Any, Any], Any] = lambda params, state: state.centre
     synced: Callable[[Any], jax.Array] = optax_accum.has_updated
+    wire: Callable[[Any], tuple[int, ...]] = lambda params: (_nbytes(jax.tree.leaves(params)),)
+
+
+def _nbytes(leaves: list, dtype: Any = None) -> int:
+    """Bytes of `leaves` sent in `dtype` (None: their own): int8 and float8 with a float32
+    scale per block of 256 values of a leaf, as `agn`'s `communication_dtype` sends them."""
+    if dtype is None:
+        return sum(int(np.asarray(x).nbytes) for x in leaves)
+    if np.dtype(dtype).itemsize == 2:
+        return sum(2 * int(np.size(x)) for x in leaves)
+    return sum(math.ceil(np.size(x) / 256) * (256 + 4) for x in leaves)
+
+
+def by_layer(path: Any) -> int:
+    """The fragment of a param of the demo's MLP: its layer's number."""
+    return int(str(path[0].key).rsplit("_", 1)[-1])
+
+
+def streaming(lr: float = LEARNING_RATE, dtype: Any = jnp.int8) -> Method:
+    """Streaming DiLoCo: DiLoCo's outer step, one fragment a layer (two), each synced
+    every 4 steps, one of them every 2 steps, reduced in the step after its sync step
+    (`delay=1`, so the reduction does not wait for that step's gradient) and sent in
+    `dtype`."""
+
+    def wire(params: Any) -> tuple[int, ...]:
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        return tuple(_nbytes([x for p, x in flat if by_layer(p) == f], dtype) for f in (0, 1))
+
+    return Method(
+        f"streaming DiLoCo, 2 layers, delay 1, {np.dtype(dtype).name}",
+        lambda axis: optax_accum.agn(
+            optax.sgd(lr),
+            4,
+            axis_name=axis,
+            commit="delta",
+            outer=optax.sgd(0.7 * 4, momentum=0.9, nesterov=True),
+            fragments=by_layer,
+            delay=1,
+            communication_dtype=dtype,
+        ),
+        wire=wire,
+    )
 
 
 def methods(lr: float = LEARNING_RATE) -> list[Method]:
-    """Synchronous SGD, then AGN with period 4: TF's rule, a scaled outer step, DiLoCo."""
+    """Synchronous SGD, then AGN with period 4: TF's rule, a scaled outer step, DiLoCo,
+    and Streaming DiLoCo in int8."""
     sync = Method(
         "sync SGD, cross_shard_optimizer(sgd)",
         lambda axis: optax_accum.cross_shard_optimizer(optax.sgd(lr), axis),
@@ -72,6 +119,7 @@ def methods(lr: float = LEARNING_RATE) -> list[Method]:
                 outer=optax.sgd(0.7 * 4, momentum=0.9, nesterov=True),
             ),
         ),
+        streaming(lr),
     ]
 
 
@@ -80,7 +128,8 @@ class Result:
     """One method's outcome: final accuracy, communication, and the accuracy curve.
 
     `curve[i]` is the centre's test accuracy after communication round `rounds[i]`,
-    which ended at local step `steps[i]`.
+    which ended at local step `steps[i]`, when the syncs had sent `moved[i]` bytes
+    (each worker's payload, summed over the syncs).
     """
 
     method: str
@@ -92,6 +141,7 @@ class Result:
     steps: list[int]
     curve: list[float]
     seconds: float
+    moved: list[int] = dataclasses.field(default_factory=list)
 
 
 def _worker_fn(method: Method, model: Any, x_test: Any, y_test: Any) -> Callable:
@@ -174,7 +224,6 @@ def study(
     idx = np.random.default_rng(sizes.seed).integers(0, n, size=(WORKERS, sizes.steps, sizes.batch))
     idx = jnp.asarray(idx, jnp.int32)
     model, params = _data.init_mlp(sizes.seed)
-    payload = sum(int(np.asarray(p).nbytes) for p in jax.tree.leaves(params))
     selected = methods() if selected is None else selected
     results = []
     iterator = _data.progress(selected, "agn study") if progress else selected
@@ -184,17 +233,20 @@ def study(
         synced, curve, accuracy, loss = jax.device_get(run(params, xs, ys, idx))
         synced, curve = np.asarray(synced), np.asarray(curve)
         rounds = np.cumsum(synced)
+        per_sync = method.wire(params)
+        moved = np.cumsum([per_sync[i % len(per_sync)] for i in range(int(rounds[-1]))])
         results.append(
             Result(
                 method=method.name,
                 accuracy=float(accuracy),
                 loss=float(loss),
                 all_reduces=int(rounds[-1]),
-                bytes=int(rounds[-1]) * payload,
+                bytes=int(moved[-1]) if len(moved) else 0,
                 rounds=rounds[synced].tolist(),
                 steps=(np.flatnonzero(synced) + 1).tolist(),
                 curve=curve[synced].tolist(),
                 seconds=time.perf_counter() - start,
+                moved=moved.tolist(),
             )
         )
     return results
@@ -214,6 +266,7 @@ def run(sizes: Sizes) -> list[Row]:
             all_reduces=r.all_reduces,
             seconds=r.seconds,
             curve=list(zip(r.steps, r.curve, strict=True)),
+            moved=list(zip(r.steps, r.moved, strict=True)),
         )
         for r in results
     ]
