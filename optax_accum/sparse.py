@@ -226,6 +226,23 @@ def sparse_conditional_accumulator(
       >>> u, state = tx.update(grad([0, 4], [[3.0, 3.0], [2.0, 2.0]]), state, weight=3)
       >>> u.indices.tolist(), u.values[:2].tolist()
       ([0, 4, 5], [[-2.5, -2.5], [-2.0, -2.0]])
+      >>> # Per leaf: the table's rows by mean, a dense statistic by max.
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=3,
+      ...     reduction={"table": "mean", "amax": "max"})
+      >>> state = tx.init({"table": table, "amax": jnp.zeros(1)})
+      >>> _, state = tx.update({"table": grad([0], [[1.0, 1.0]]), "amax": jnp.array([4.0])}, state)
+      >>> u, state = tx.update({"table": grad([0], [[3.0, 3.0]]), "amax": jnp.array([2.0])}, state)
+      >>> u["table"].values[0].tolist(), u["amax"].tolist()
+      ([-2.0, -2.0], [-4.0])
+      >>> # Two replicas' dense sums reduced in int8 (a float32 scale per 256 values).
+      >>> import jax
+      >>> tx = optax_accum.sparse_conditional_accumulator(
+      ...     optax_accum.sparse_sgd(1.0), num_required=2, capacity=1, axis_name="i",
+      ...     communication_dtype=jnp.int8)
+      >>> step = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(step, axis_name="i")(jnp.array([[1.0, 2.0], [3.0, -4.0]]))[0]
+      Array([-2.      ,  1.007874], dtype=float32)
     """
     capacity = _checks.require_positive_int("capacity", capacity)
     wire = _wire.wire_dtype("communication_dtype", communication_dtype)
