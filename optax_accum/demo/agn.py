@@ -50,13 +50,15 @@ class Method:
 
 
 def _nbytes(leaves: list, dtype: Any = None) -> int:
-    """Bytes of `leaves` sent in `dtype` (None: their own): int8 and float8 with a float32
-    scale per block of 256 values of a leaf, as `agn`'s `communication_dtype` sends them."""
-    if dtype is None:
+    """Bytes a worker's sync of `leaves` sends in `dtype` (None or float32: their own),
+    laid out as `agn`'s `communication_dtype` lays them out: each leaf in blocks of 256
+    values, the blocks shared evenly between the workers (padded), int8 and float8 with
+    a float32 scale per block, bfloat16 without."""
+    if dtype is None or np.dtype(dtype).itemsize == 4:
         return sum(int(np.asarray(x).nbytes) for x in leaves)
-    if np.dtype(dtype).itemsize == 2:
-        return sum(2 * int(np.size(x)) for x in leaves)
-    return sum(math.ceil(np.size(x) / 256) * (256 + 4) for x in leaves)
+    blocks = sum(math.ceil(np.size(x) / 256) for x in leaves)
+    blocks = math.ceil(blocks / WORKERS) * WORKERS
+    return blocks * (2 * 256 if np.dtype(dtype).itemsize == 2 else 256 + 4)
 
 
 def by_layer(path: Any) -> int:
