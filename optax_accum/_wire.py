@@ -5,9 +5,11 @@
 too). Without a `communication_dtype` it is `lax.psum`. With a narrow one the values
 travel narrow and are never summed narrow:
 
-1. every leaf is flattened, padded to whole blocks of `BLOCK` (256) values, and the
-   blocks of all leaves are laid end to end (a block never spans two leaves) and
-   padded to a whole number of blocks per replica;
+1. a leaf of rank 2 or more whose rows hold at least `BLOCK` (256) values and split
+   evenly over the replicas is sent row by row, each row a block, in its own layout
+   (and its own collectives); every other leaf is flattened and padded to whole
+   blocks of `BLOCK` values, and their blocks are laid end to end (a block never spans
+   two leaves) and padded to a whole number of blocks per replica;
 2. each block is encoded on its own: int8 and float8 (`jnp.float8_e4m3fn`) as
    `round(x / scale)` with a float32 `scale = max|block| / qmax` (127, 448), the
    scales in collectives of their own beside the values'; bfloat16 as it is, without
@@ -27,9 +29,11 @@ A NaN or Inf spreads to its block (its scale is not finite); a block whose large
 value is below about 1e-36 (a float32 scale that underflows) sends zeros.
 
 Cost: per device, a ring all-reduce of float32 moves `2 (n-1)/n * 4` bytes a value;
-the all-to-all and the all-gather move `(n-1)/n * (1 + 4/256)` each for int8 and
-float8, `(n-1)/n * 2` each for bfloat16: 1/3.94 and 1/2 of float32's, less the
-padding (a leaf's last block, and up to n-1 blocks to share the blocks evenly).
+the all-to-all and the all-gather move `(n-1)/n * (1 + 4/B)` each for int8 and
+float8 (blocks of B values: 256, or a row), `(n-1)/n * 2` each for bfloat16: at most
+1/3.94 and 1/2 of float32's, more with the padding (a leaf's last block, and up to
+n-1 blocks to share the blocks evenly). Row by row, a leaf is never copied into blocks
+and back: on TPU that halves the release's temporaries (docs/guide.md).
 Read from compiled programs in tests/test_wire.py and docs/guide.md, "Quantized
 releases".
 """
@@ -110,6 +114,16 @@ def _decoded(sent: tuple, dtype: np.dtype) -> jax.Array:
 # --------------------------------------------------------------------------- packing
 
 
+def _row_wise(x: jax.Array, n: int) -> bool:
+    """Whether a leaf is sent row by row: rank 2 or more, rows of at least `BLOCK`
+    values (a scale per row then costs at most 4 bytes in 256), and rows that split
+    evenly over the `n` replicas. Its rows are then its blocks, in its own layout (the
+    TPU keeps a leaf tiled by its last two axes: cut into blocks of 256 it must be
+    copied, and copied back)."""
+    shape = jnp.shape(x)
+    return len(shape) >= 2 and shape[-1] >= BLOCK and (x.size // shape[-1]) % n == 0
+
+
 def _blocks(x: jax.Array) -> jax.Array:
     """A leaf's values as float32 blocks `(count, BLOCK)`, its last block padded."""
     flat = jnp.ravel(x).astype(jnp.float32)
@@ -121,19 +135,21 @@ def _each(fn: Any, sent: tuple) -> tuple:
     return tuple(None if a is None else fn(a) for a in sent)
 
 
-def _narrow_sum(leaves: list, axis_name: Any, dtype: np.dtype, mean: bool) -> list:
-    """The leaves summed (averaged) over `axis_name` through `dtype`: all-to-all,
-    float32 sum, all-gather (see the module docstring). Each leaf is encoded and decoded
-    on its own, so only the narrow bytes are ever laid end to end."""
-    n = _collectives.axis_size(axis_name)
-    encoded = [_encoded(_blocks(x), dtype) for x in leaves]
-    counts = [e[0].shape[0] for e in encoded]
+def _exchanged(parts: list, axis_name: Any, n: int, dtype: np.dtype, mean: bool) -> list:
+    """Float32 blocks `(count_i, width)` (one width for all) summed over `axis_name`
+    through `dtype`: encoded, laid end to end and split in `n` equal shares, one
+    all-to-all, each replica's share decoded and summed in float32, encoded again, one
+    all-gather, decoded. The scales travel in a pair of collectives of their own."""
+    encoded = [_encoded(p, dtype) for p in parts]
+    counts = [p.shape[0] for p in parts]
     share = -(-sum(counts) // n)
 
-    def shares(parts: list) -> jax.Array:  # laid end to end, padded, split in n shares
-        whole = jnp.concatenate(parts)
-        pad = [(0, share * n - whole.shape[0])] + [(0, 0)] * (whole.ndim - 1)
-        return jnp.pad(whole, pad).reshape(n, share, *whole.shape[1:])
+    def shares(pieces: list) -> jax.Array:  # laid end to end, padded, split in n shares
+        whole = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        if share * n != whole.shape[0]:
+            pad = [(0, share * n - whole.shape[0])] + [(0, 0)] * (whole.ndim - 1)
+            whole = jnp.pad(whole, pad)
+        return whole.reshape(n, share, *whole.shape[1:])
 
     sent = tuple(None if e[0] is None else shares(list(e)) for e in zip(*encoded, strict=True))
     names = frozenset(_collectives.names(axis_name))
@@ -141,7 +157,9 @@ def _narrow_sum(leaves: list, axis_name: Any, dtype: np.dtype, mean: bool) -> li
         # an invariant value is each replica's own
         sent = _each(lambda a: _compat.make_varying(a, names), sent)
     got = _each(lambda a: lax.all_to_all(a, axis_name, 0, 0), sent)  # [j]: replica j's
-    total = jnp.sum(_decoded(got, dtype), axis=0)
+    total = _decoded(_each(lambda a: a[0], got), dtype)
+    for j in range(1, n):  # in replica order, the same in every program (a reduce's is not)
+        total = total + _decoded(_each(lambda a, j=j: a[j], got), dtype)
     if mean:
         total = total / jnp.float32(n)
     gathered = _each(
@@ -151,11 +169,31 @@ def _narrow_sum(leaves: list, axis_name: Any, dtype: np.dtype, mean: bool) -> li
         _encoded(total, dtype),
     )
     out, start = [], 0
-    for x, count in zip(leaves, counts, strict=True):
+    for count in counts:
         part = _each(lambda a, start=start, count=count: a[start : start + count], gathered)
-        values = _decoded(part, dtype).reshape(-1)
-        out.append(values[: x.size].reshape(jnp.shape(x)).astype(x.dtype))
+        out.append(_decoded(part, dtype))
         start += count
+    return out
+
+
+def _narrow_sum(leaves: list, axis_name: Any, dtype: np.dtype, mean: bool) -> list:
+    """The leaves summed (averaged) over `axis_name` through `dtype` (see the module
+    docstring): each leaf whose rows are long enough sent row by row (`_row_wise`), in
+    an exchange of its own, the others in blocks of `BLOCK`, all in one. Each leaf is
+    encoded and decoded on its own, so only the narrow bytes are laid end to end."""
+    n = _collectives.axis_size(axis_name)
+    out: list = [None] * len(leaves)
+    packed = [i for i, x in enumerate(leaves) if not _row_wise(x, n)]
+    for i in (i for i in range(len(leaves)) if i not in packed):
+        x = leaves[i]
+        rows = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+        (total,) = _exchanged([rows], axis_name, n, dtype, mean)
+        out[i] = total.reshape(x.shape).astype(x.dtype)
+    if packed:
+        parts = [_blocks(leaves[i]) for i in packed]
+        for i, total in zip(packed, _exchanged(parts, axis_name, n, dtype, mean), strict=True):
+            x = leaves[i]
+            out[i] = total.reshape(-1)[: x.size].reshape(jnp.shape(x)).astype(x.dtype)
     return out
 
 

@@ -124,10 +124,11 @@ def conditional_accumulator(
     With `communication_dtype` (bfloat16, int8 or float8_e4m3fn), the release's one
     reduction, over `axis_name` or over the mesh axes of params typed reduced, sends
     the window's sums in that type (int8 and float8 with a float32 scale per block of
-    256 values): an all-to-all, a float32 sum of each replica's share, an all-gather,
-    so no sum is taken in the narrow type and every replica gets the same bits. int8
-    and float8 send 1/3.9 of float32's bytes, bfloat16 half; the sums, the counts and
-    `inner` stay in their own dtypes. Held steps are unchanged.
+    256 values, or per row where rows are longer): an all-to-all, a float32 sum of each
+    replica's share, an all-gather, so no sum is taken in the narrow type and every
+    replica gets the same bits. int8 and float8 send at most 1/3.9 of float32's bytes,
+    bfloat16 half; the sums, the counts and `inner` stay in their own dtypes. Held
+    steps are unchanged. docs/guide.md, "Quantized releases", has the error and costs.
 
     Leaves may combine differently: `reduction` can be a tree (or a function of the
     leaf path) of "mean", "sum", "max" and "min". A "max" leaf keeps the running

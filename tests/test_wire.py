@@ -28,14 +28,22 @@ QMAX = {"int8": 127.0, "float8": 448.0}
 def _tree(n: int = N) -> dict:
     """Per-replica leaves (leading axis): one spanning blocks with a ragged end, one
     smaller than a block and 1000x smaller in magnitude (its own blocks keep it
-    precise), and one holding an exact zero block."""
+    precise), one holding an exact zero block, and one sent row by row (8 rows of 384
+    values, rows scaled 0.01 to 100)."""
     rng = np.random.default_rng(7)
     big = rng.normal(size=(n, 37, 11)) * rng.uniform(0.1, 10.0, size=(n, 37, 1))
+    rows = rng.normal(size=(n, 8, 384)) * np.logspace(-2, 2, 8)[:, None]
     return {
         "a": big.astype(np.float32),
         "b": (rng.normal(size=(n, 5)) * 1e-3).astype(np.float32),
+        "r": rows.astype(np.float32),
         "z": np.zeros((n, 300), np.float32),
     }
+
+
+def _row_wise(x: np.ndarray, n: int) -> bool:
+    """A replica's leaf `x` goes row by row (the module's rule)."""
+    return x.ndim >= 2 and x.shape[-1] >= _wire.BLOCK and (x.size // x.shape[-1]) % n == 0
 
 
 # --------------------------------------------------------------------------- the model
@@ -56,50 +64,48 @@ def _round_trip(blocks: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     return q * scale[:, None], scale
 
 
-def _blocks(leaves: list[np.ndarray]) -> np.ndarray:
-    parts = []
-    for x in leaves:
-        flat = x.astype(np.float64).ravel()
-        parts.append(np.pad(flat, (0, -flat.size % _wire.BLOCK)))
-    return np.concatenate(parts).reshape(-1, _wire.BLOCK)
+def _blocks(x: np.ndarray, n: int) -> np.ndarray:
+    """A replica's leaf as the module cuts it: its rows, or blocks of 256 (padded)."""
+    x = np.asarray(x, np.float64)
+    if _row_wise(x, n):
+        return x.reshape(-1, x.shape[-1])
+    flat = x.ravel()
+    return np.pad(flat, (0, -flat.size % _wire.BLOCK)).reshape(-1, _wire.BLOCK)
 
 
-def _model(tree: dict, name: str, mean: bool) -> tuple[dict, np.ndarray, np.ndarray]:
-    """The model's result for every replica, and the per-value bound on its distance
-    from the exact sum (and the last rounding's step, per value)."""
-    keys = sorted(tree)
-    n = tree[keys[0]].shape[0]
-    per_replica = [_blocks([tree[k][r] for k in keys]) for r in range(n)]
-    total = np.zeros_like(per_replica[0])
-    bound = np.zeros_like(total)
-    for blocks in per_replica:
-        decoded, scale = _round_trip(blocks, name)
-        total += decoded
-        bound += _first_rounding(blocks, scale, name)
-    if mean:
-        total, bound = total / n, bound / n
-    result, scale = _round_trip(total, name)
-    bound += _first_rounding(total, scale, name)
-    out, start = {}, 0
-    for k in keys:
-        size = tree[k][0].size
-        out[k] = result.ravel()[start : start + size].reshape(tree[k].shape[1:])
-        start += -(-size // _wire.BLOCK) * _wire.BLOCK
-    return out, bound.ravel(), np.repeat(scale, _wire.BLOCK)
+def _model(tree: dict, name: str, mean: bool) -> tuple[dict, dict, dict]:
+    """The model's result, and per value the bound on its distance from the exact sum
+    and the last rounding's step, each leaf cut into blocks (padded) and its blocks
+    rounded one by one."""
+    n = next(iter(tree.values())).shape[0]
+    out, bounds, steps = {}, {}, {}
+    for k, v in tree.items():
+        total = bound = 0.0
+        for r in range(n):
+            blocks = _blocks(v[r], n)
+            decoded, scale = _round_trip(blocks, name)
+            total, bound = total + decoded, bound + _first_rounding(blocks, scale, name)
+        if mean:
+            total, bound = total / n, bound / n
+        result, scale = _round_trip(total, name)
+        out[k] = result.ravel()[: v[0].size].reshape(v.shape[1:])
+        bounds[k] = (bound + _first_rounding(total, scale, name)).ravel()
+        steps[k] = np.repeat(scale, total.shape[1])
+    return out, bounds, steps
 
 
 def _first_rounding(blocks: np.ndarray, scale: np.ndarray, name: str) -> np.ndarray:
     """The most one rounding moves each value (the module docstring's bound)."""
     if name == "int8":
-        return np.repeat(scale / 2, _wire.BLOCK).reshape(blocks.shape)
+        return np.broadcast_to(scale[:, None] / 2, blocks.shape)
     if name == "float8":
-        return np.abs(blocks) / 16 + np.repeat(scale / 1024, _wire.BLOCK).reshape(blocks.shape)
+        return np.abs(blocks) / 16 + scale[:, None] / 1024
     return np.abs(blocks) / 256
 
 
-def _flat(tree: dict) -> np.ndarray:
-    """Leaves in the model's order, each padded to whole blocks."""
-    return _blocks([np.asarray(tree[k], np.float64) for k in sorted(tree)]).ravel()
+def _padded(x: np.ndarray, n: int) -> np.ndarray:
+    """A replica's leaf in the model's layout, padded as its blocks are."""
+    return _blocks(x, n).ravel()
 
 
 # --------------------------------------------------------------------------- values
@@ -124,23 +130,27 @@ def _results() -> dict:
 def test_matches_the_float64_model_and_its_error_bound(name, mean):
     tree = _tree()
     got = _results()[(name, mean)]
-    model, bound, step = _model(tree, name, mean)
+    model, bounds, steps = _model(tree, name, mean)
     exact = {k: v.astype(np.float64).sum(0) / (N if mean else 1) for k, v in tree.items()}
     for k in tree:
         assert got[k].dtype == tree[k].dtype
         for r in range(1, N):  # the same bits on every replica
             np.testing.assert_array_equal(got[k][r], got[k][0], err_msg=k)
-    mine = _flat({k: got[k][0] for k in tree})
-    # Against the model: float32 against float64 arithmetic may round a value to the
-    # next step at a tie, at most one step of each rounding; almost all agree.
-    tolerance = 2 * step + bound + 1e-30
-    diff = np.abs(mine - _flat(model))
-    assert np.all(diff <= tolerance), np.max(diff / tolerance)
-    assert np.mean(diff <= 1e-6 * (np.abs(_flat(model)) + step)) > 0.98
-    # Against the exact sum: within the stated bound (plus float32 rounding).
-    err = np.abs(mine - _flat(exact))
-    assert np.all(err <= bound * (1 + 1e-5) + 1e-6 * np.abs(_flat(exact)) + 1e-30)
+        mine, want = _padded(got[k][0], N), _padded(model[k], N)
+        bound, step = bounds[k], steps[k]
+        # Against the model: float32 against float64 arithmetic may round a value to
+        # the next step at a tie, at most one step of each rounding; almost all agree.
+        tolerance = 2 * step + bound + 1e-30
+        diff = np.abs(mine - want)
+        assert np.all(diff <= tolerance), (k, np.max(diff / tolerance))
+        assert np.mean(diff <= 1e-6 * (np.abs(want) + step)) > 0.98, k
+        # Against the exact sum: within the stated bound (plus float32 rounding).
+        truth = _padded(exact[k], N)
+        assert np.all(np.abs(mine - truth) <= bound * (1 + 1e-5) + 1e-6 * np.abs(truth) + 1e-30)
     np.testing.assert_array_equal(got["z"], 0.0)  # a zero block stays zero, no NaN
+    # Row by row, each row keeps its own scale: the 0.01 row as precise as the 100 one.
+    rel = np.abs(got["r"][0] - exact["r"]).max(axis=1) / np.abs(exact["r"]).max(axis=1)
+    assert rel.max() < 4 * rel.min() + 1e-6
     if name != "bfloat16":  # the small leaf keeps its own scale: 1/254 of its max, not a's
         small = np.abs(got["b"][0] - exact["b"]).max() / np.abs(exact["b"]).max()
         assert small < 0.1
