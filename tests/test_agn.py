@@ -853,9 +853,10 @@ def test_streaming_under_shard_map_and_jit_on_a_mesh():
 
 def test_streaming_syncs_in_branches_and_int8_on_the_wire():
     """A sync every other step (period 4, 2 fragments) runs its reduction inside its
-    fragment's branch only; with a fragment every step and `communication_dtype=int8`,
-    each step sends the fragment as an all-to-all and an all-gather of int8 blocks:
-    1/3.94 of the bytes of the float32 all-reduce (8 workers under `jax.shard_map`)."""
+    fragment's branch only; with a fragment every step and `communication_dtype` int8
+    or float8, each step sends the fragment as an all-to-all and an all-gather of
+    blocks: 1/3.94 of the bytes of the float32 all-reduce (8 workers under
+    `jax.shard_map`)."""
     mesh = _stream_mesh(WORKERS)
     params = {"x": jnp.zeros((64, 256)), "y": jnp.zeros((32, 512))}  # 64 blocks each
 
@@ -881,14 +882,15 @@ def test_streaming_syncs_in_branches_and_int8_on_the_wire():
     assert branches and not any(c.every_step for c in branches)
     assert {c.opcode for c in branches} == {"all-reduce"}
     plain = compiled(communication_period=2, fragments=2, delay=1)
-    narrow = compiled(communication_period=2, fragments=2, delay=1, communication_dtype=jnp.int8)
     assert [(c.opcode, c.every_step) for c in plain] == [("all-reduce", True)]
-    assert {c.opcode for c in narrow} == {"all-gather", "all-to-all"}
-    assert all(c.every_step for c in narrow)
     # Each device sends an all-reduce's result twice over a ring, an all-to-all's and an
     # all-gather's once: 1 byte a value and 4 a block of 256 against 4 bytes a value.
     sent = lambda found: sum({"all-reduce": 2}.get(c.opcode, 1) * c.nbytes for c in found)  # noqa: E731
-    assert sent(narrow) / sent(plain) == (1 + 4 / 256) / 4 <= 1 / 3.9
+    for dtype in (jnp.int8, jnp.float8_e4m3fn):
+        narrow = compiled(communication_period=2, fragments=2, delay=1, communication_dtype=dtype)
+        assert {c.opcode for c in narrow} == {"all-gather", "all-to-all"}
+        assert all(c.every_step for c in narrow)
+        assert sent(narrow) / sent(plain) == (1 + 4 / 256) / 4 <= 1 / 3.9
 
 
 def test_streaming_abstract_init_eager_equals_jit_and_skips_counted():
