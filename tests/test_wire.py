@@ -164,7 +164,7 @@ def test_without_a_dtype_it_is_psum():
 
 
 def test_shard_map_and_pmap_give_vmaps_bits_also_over_a_tuple_of_axes():
-    tree = _tree(8)
+    tree = {k: v for k, v in _tree(8).items() if k in ("b", "r")}  # in blocks, by rows
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     f = functools.partial(_wire.reduced, axis_name=("a", "b"), communication_dtype=jnp.int8)
     one = functools.partial(jax.tree.map, lambda x: x[0])
