@@ -206,12 +206,13 @@ def reduced(
     """Every leaf of `tree` summed (with `mean`, averaged) over the mapped axis
     `axis_name` (a name or a tuple of names), the same on every replica.
 
-    `communication_dtype` None (or float32) is `lax.psum` (XLA may pack the leaves' into
-    one all-reduce). bfloat16, int8 or float8_e4m3fn send the values in that type (int8
-    and float8 with a float32 scale per block of `BLOCK` values), sum them in float32
-    and send the sum back the same way: one all-to-all and one all-gather for the whole
-    tree (and one of each for the scales). The leaves come back in their own dtypes.
-    The module docstring gives the error and the bytes.
+    `communication_dtype` None (or float32) is `lax.psum` (XLA may pack the leaves'
+    all-reduces into one). bfloat16, int8 or float8_e4m3fn send the values in that type
+    (int8 and float8 with a float32 scale per block of `BLOCK` values, or per row of a
+    leaf whose rows are longer), sum them in float32 and send the sum back the same way:
+    one all-to-all and one all-gather for the leaves cut into blocks, one each for every
+    leaf sent row by row (and as many again for the scales). The leaves come back in
+    their own dtypes. The module docstring gives the error and the bytes.
     """
     dtype = wire_dtype("communication_dtype", communication_dtype)
     leaves, treedef = jax.tree.flatten(tree)
