@@ -441,7 +441,7 @@ def update_if(
             ups = [
                 u
                 for u, t in zip(treedef.flatten_up_to(updates), through, strict=True)
-                if t is which
+                if t == which
             ]
             return [apply_updates(p, u) for p, u in zip(params, ups, strict=True)]
 
