@@ -13,8 +13,13 @@ methods, steps and seeds.
 Target: AGN with period 4 within 1 percentage point of synchronous SGD with 4x fewer
 all-reduces. A second experiment explains the TF default's shortfall: it gives TF's
 AGN with period 4 four times the examples (the same number of all-reduces as
-synchronous SGD). A last table times one step with 2M parameters against a plain
-`optax.adam` step: what agn's local and sync steps add to the compute.
+synchronous SGD). A third compares Streaming DiLoCo (`agn(..., fragments=, delay=,
+communication_dtype=)`, a fragment per layer) with DiLoCo and synchronous SGD by
+traffic, read from each method's compiled train step on the 8 devices (`traffic`):
+the bytes a device sends on the heaviest step and per 100 steps, and the step's time
+against synchronous SGD's. A last table times one step with 2M parameters against a
+plain `optax.adam` step: what agn's local and sync steps add to the compute. The TPU
+compiler's schedule of the sync against the step is `benchmarks/agn_tpu.py`'s.
 
 Run: `python benchmarks/agn.py` (about two minutes on two CPU cores). Writes
 `benchmarks/results/agn.json` and the plot `benchmarks/results/agn.png` (accuracy
@@ -29,9 +34,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import platform
+import re
 import time
 from typing import Any
 
@@ -39,16 +46,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum.demo import Sizes
-from optax_accum.demo.agn import LEARNING_RATE, WORKERS, Method, Result, study
+from optax_accum.demo import Sizes, hlo, notebook
+from optax_accum.demo.agn import (
+    LEARNING_RATE,
+    WORKERS,
+    Method,
+    Result,
+    by_layer,
+    streaming,
+    study,
+)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SYNC = "sync SGD (cross_shard_optimizer)"
 TF_P4 = "agn P=4 (TF: outer = inner)"
 SCALED_P4 = "agn P=4, outer sgd(4*lr)"
-QUICK_METHODS = (SYNC, TF_P4, SCALED_P4, "agn delta P=4, DiLoCo outer")  # `--quick`'s
+DILOCO = "agn delta P=4, DiLoCo outer"
+SD_F32 = "streaming DiLoCo, 2 layers, P=4, delay 1, float32"
+SD_INT8 = "streaming DiLoCo, 2 layers, P=4, delay 1, int8"
+SD_EVERY = "streaming DiLoCo, 2 layers, P=2, delay 1, int8"  # a fragment every step
+QUICK_METHODS = (SYNC, TF_P4, SCALED_P4, DILOCO, SD_INT8)  # `--quick`'s
+# The methods compared by traffic, with their period (steps between a fragment's syncs).
+TRAFFIC = {SYNC: 1, DILOCO: 4, SD_F32: 4, SD_INT8: 4, SD_EVERY: 2}
 
 
 # --------------------------------------------------------------------------- the methods
@@ -100,7 +122,31 @@ def methods(lr: float = LEARNING_RATE) -> list[Method]:
             ),
         ),
     ]
-    return [sync, *tf_default, *scaled, *delta]
+    every = streaming(lr, jnp.int8)
+    fragment_a_step = Method(
+        SD_EVERY,
+        lambda axis: optax_accum.agn(
+            optax.sgd(lr),
+            2,
+            axis_name=axis,
+            commit="delta",
+            outer=optax.sgd(0.7 * 2, momentum=0.9, nesterov=True),
+            fragments=by_layer,
+            delay=1,
+            communication_dtype=jnp.int8,
+        ),
+        # one buffer as long as the larger layer, every step
+        wire=lambda params: (max(every.wire(params)),),
+    )
+    return [
+        sync,
+        *tf_default,
+        *scaled,
+        *delta,
+        dataclasses.replace(streaming(lr, jnp.float32), name=SD_F32),
+        dataclasses.replace(streaming(lr, jnp.int8), name=SD_INT8),
+        fragment_a_step,
+    ]
 
 
 # --------------------------------------------------------------------------- report
@@ -182,6 +228,132 @@ def _plot(results: list[Result], extra: Result, batch: int, path: pathlib.Path) 
     fig.savefig(path, dpi=110)
 
 
+def _sent(found: list) -> float:
+    """Bytes a device sends for `found` collectives over a ring of the `WORKERS`: an
+    all-reduce its result twice (a reduce-scatter, then an all-gather), an all-to-all
+    and an all-gather theirs once, each (n - 1) / n of it."""
+    weight = {"all-reduce": 2.0}
+    return sum(weight.get(c.opcode, 1.0) * c.nbytes for c in found) * (WORKERS - 1) / WORKERS
+
+
+def _branches(text: str) -> tuple[float, list[float]]:
+    """A compiled step's bytes sent on every step, and those of each region that runs
+    only when taken (a conditional, its largest branch; a loop's body), in order."""
+    entry, comps = hlo.computations(text)
+
+    def collectives_from(name: str) -> list:
+        lines = []
+        for comp, body in comps.items():
+            lines += [f"{'ENTRY ' if comp == name else ''}%{comp} () -> () {{", *body, "}"]
+        return hlo.collectives("\n".join(lines))
+
+    every, regions, todo, seen = 0.0, [], [entry], set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        every += _sent([c for c in collectives_from(name) if c.every_step and name == entry])
+        for line in comps[name]:
+            todo += hlo.called(line)
+            gated = re.search(r"\b(?:body|branch_computations|true_computation)=", line)
+            if gated is None:
+                continue
+            names = re.findall(r"(?:body|true_computation|false_computation)=%?([\w.\-]+)", line)
+            listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+            names += [n.strip().lstrip("%") for n in listed.group(1).split(",")] if listed else []
+            sizes = [_sent(collectives_from(n)) for n in names]
+            if max(sizes, default=0.0):
+                regions.append(max(sizes))
+    return every, regions
+
+
+def _wide_problem() -> tuple:
+    """Bytes only: two 1024 x 1024 tanh layers (2M parameters, named as the demo's Flax
+    layers are), where int8's blocks and shares cost no padding."""
+    params = {f"Dense_{i}": {"kernel": jnp.zeros((1024, 1024))} for i in range(2)}
+
+    def loss_fn(params: Any, xb: jax.Array, yb: jax.Array) -> jax.Array:
+        h = xb
+        for i in range(2):
+            h = jnp.tanh(h @ params[f"Dense_{i}"]["kernel"])
+        return jnp.mean((h[:, :10] - jax.nn.one_hot(yb, 10)) ** 2)
+
+    xb = jnp.zeros((WORKERS, 16, 1024))
+    return params, loss_fn, xb, jnp.zeros((WORKERS, 16), jnp.int32)
+
+
+def _digits_problem() -> tuple:
+    x, y, _, _ = notebook.digits()
+    _, params, loss_fn, _ = notebook.mlp(x[:1], y[:1])
+    xb = jnp.asarray(x[: 16 * WORKERS].reshape(WORKERS, 16, -1))
+    return params, loss_fn, xb, jnp.asarray(y[: 16 * WORKERS].reshape(WORKERS, 16))
+
+
+def traffic(
+    lr: float = LEARNING_RATE,
+    steps: int = 100,
+    rounds: int = 5,
+    wide: bool = False,
+    only: tuple[str, ...] | None = None,
+) -> list[dict]:
+    """Each `TRAFFIC` method's train step (the demo's MLP, or with `wide` two layers of
+    1024 x 1024; 16 examples a worker; the workers on `WORKERS` devices under
+    `jax.shard_map`), compiled once: the bytes a device sends on every step and in each
+    sync's branch, read from the program, and from them the heaviest step's and `steps`
+    steps' bytes (a sync branch runs once a period); and the step's median time over
+    `rounds` rounds of 10 steps, the methods' rounds interleaved (none with `wide`).
+    `only`: these methods (and synchronous SGD and DiLoCo, the references)."""
+    params, loss_fn, xb, yb = _wide_problem() if wide else _digits_problem()
+    mesh = jax.make_mesh((WORKERS,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
+    stacked = jax.tree.map(lambda p: jnp.tile(p[None], (WORKERS,) + (1,) * p.ndim), params)
+    one = functools.partial(jax.tree.map, lambda a: a[0])
+    rows, runs = [], []
+    for method in methods(lr):
+        if method.name not in TRAFFIC or (only and method.name not in {*only, SYNC, DILOCO}):
+            continue
+        tx = method.make("w")
+        specs = optax_accum.state_partition_specs(tx, params, mesh, param_axes=("w",))
+
+        def step(params, state, xb, yb, tx=tx):
+            params, xb, yb = one(params), one(xb), one(yb)
+            updates, state = tx.update(jax.grad(loss_fn)(params, xb, yb), state, params)
+            return jax.tree.map(lambda a: a[None], optax.apply_updates(params, updates)), state
+
+        rows_ = P("w")
+        mapped = jax.shard_map(
+            step, mesh=mesh, in_specs=(rows_, specs, rows_, rows_), out_specs=(rows_, specs)
+        )
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        state = jax.jit(init)(params) if not wide else jax.eval_shape(init, params)
+        lowered = jax.jit(mapped, donate_argnums=(0, 1)).lower(stacked, state, xb, yb)
+        compiled = lowered.compile()
+        every, regions = _branches(compiled.as_text())
+        if not wide:
+            runs.append([compiled, (jax.tree.map(jnp.copy, stacked), state), []])
+        row = {
+            "method": method.name,
+            "every_step_bytes": every,
+            "sync_branch_bytes": regions,
+            "peak_step_bytes": every + max(regions, default=0.0),
+            "bytes_per_100_steps": steps * every + steps / TRAFFIC[method.name] * sum(regions),
+        }
+        rows.append(row)
+    for _ in range(rounds if runs else 0):  # the methods' rounds interleaved
+        for run in runs:
+            compiled, carry, times = run
+            start = time.perf_counter()
+            for _ in range(10):
+                carry = compiled(*carry, xb, yb)
+            jax.block_until_ready(carry)
+            times.append((time.perf_counter() - start) / 10)
+            run[1] = carry
+    for row, (_, _, times) in zip(rows, runs, strict=False):
+        row["step_ms"] = 1e3 * float(np.median(times))
+        row["step_time_vs_sync"] = float(np.median(times)) / float(np.median(runs[0][2]))
+    return rows
+
+
 def _step_cost(size: int = 2_000_000, rounds: int = 11, reps: int = 5) -> list[dict]:
     """Wall time of one jitted, donated step: plain Adam vs agn's local and sync steps.
 
@@ -254,9 +426,47 @@ def run(
         "machine": platform.platform(),
         "methods": [*rows, long_row],
         "step_cost": _step_cost(cost_size, cost_rounds),
+        "traffic": traffic(lr, rounds=cost_rounds, only=only),
+        "traffic_2M": traffic(lr, wide=True, only=only),
         "curves_seed0": [dataclasses.asdict(r) for r in [*per_seed[0], per_seed_long[0][0]]],
     }
     return report, per_seed, per_seed_long
+
+
+def _traffic_rows(report: dict) -> list:
+    """The traffic tables' rows: peak and per-100-step bytes against DiLoCo's (the
+    target: int8 streaming at 2M parameters sends at most 1/3.9 of them), step time."""
+    from benchmarks._report import Row
+
+    rows = []
+    for key, size in (("traffic", "digits MLP"), ("traffic_2M", "2M params")):
+        diloco = next(r for r in report[key] if r["method"] == DILOCO)
+        for r in report[key]:
+            case = f"{r['method']} ({size})"
+            rows.append(Row("agn", case, "peak bytes a step", r["peak_step_bytes"], "B"))
+            ratio = r["bytes_per_100_steps"] / diloco["bytes_per_100_steps"]
+            target = (1 / 3.9, "max") if key == "traffic_2M" and r["method"] == SD_INT8 else None
+            rows.append(Row.checked("agn", case, "bytes per 100 steps / DiLoCo's", ratio, target))
+            if "step_time_vs_sync" in r:
+                rows.append(Row("agn", case, "step time / sync SGD's", r["step_time_vs_sync"]))
+    return rows
+
+
+def _traffic_table(rows: list) -> str:
+    head = ("method", "peak kB a step", "kB per 100 steps", "step ms", "/ sync SGD")
+    body = [
+        (
+            r["method"],
+            f"{r['peak_step_bytes'] / 1e3:.1f}",
+            f"{r['bytes_per_100_steps'] / 1e3:.1f}",
+            f"{r['step_ms']:.2f}" if "step_ms" in r else "-",
+            f"{r['step_time_vs_sync']:.2f}" if "step_time_vs_sync" in r else "-",
+        )
+        for r in rows
+    ]
+    widths = [max(len(c) for c in col) for col in zip(head, *body, strict=True)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    return "\n".join([line(head), "  ".join("-" * w for w in widths), *map(line, body)])
 
 
 def report_rows(scale: Any) -> tuple[list, dict]:
@@ -301,6 +511,7 @@ def report_rows(scale: Any) -> tuple[list, dict]:
         )
     for c in report["step_cost"]:
         rows.append(Row("agn", c["step"], "step time / plain Adam's", c["ratio"]))
+    rows += _traffic_rows(report)
     out = scale.options.get("out")
     if out is not None:
         pathlib.Path(out).mkdir(parents=True, exist_ok=True)
@@ -333,6 +544,12 @@ def main() -> None:
         f"{long_row['method']}: {100 * (long_row['accuracy_mean'] - sync['accuracy_mean']):+.2f}"
         f" pp with {long_row['all_reduces']} all-reduces (sync SGD: {sync['all_reduces']})"
     )
+
+    print("\nTraffic, read from each method's compiled step on the 8 devices (bytes a device")
+    print("sends over a ring), and the step's time; the demo's MLP:")
+    print(_traffic_table(report["traffic"]))
+    print("\nThe same at 2M parameters (two layers of 1024 x 1024), bytes only:")
+    print(_traffic_table(report["traffic_2M"]))
 
     print("\nStep cost, 2M float32 params, one device (what agn adds to a step):")
     for c in report["step_cost"]:
