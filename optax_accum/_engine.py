@@ -319,6 +319,37 @@ def init(rules: Rules, state_type: type, params: Any, kind_of: Callable[..., Sto
     )
 
 
+def transformation(
+    rules: Rules, state_type: type, init: Callable[[Any], Any]
+) -> optax.GradientTransformationExtraArgs:
+    """An accumulating transform: `init(params)` makes its `state_type` state (with
+    `_engine.init`), and its step is `accumulate`, taking a wrapper's verdict."""
+
+    def step(
+        updates: optax.Updates,
+        state: Any,
+        params: optax.Params | None,
+        call: _protocol.Call,
+        *,
+        local_step: Any = None,
+        weight: Any = None,
+        **extra_args: Any,
+    ) -> _protocol.Result:
+        _checks.require_state(state, state_type)
+        return accumulate(
+            rules,
+            state,
+            updates,
+            params,
+            call,
+            local_step=local_step,
+            weight=weight,
+            extra_args=extra_args,
+        )
+
+    return _protocol.transformation(init, step, takes_verdict=True)
+
+
 def accumulate(
     rules: Rules,
     state: Any,
@@ -480,4 +511,5 @@ __all__ = [
     "init",
     "judged",
     "tallied",
+    "transformation",
 ]

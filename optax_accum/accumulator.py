@@ -19,7 +19,6 @@ from optax_accum import (
     _counters,
     _engine,
     _extrema,
-    _protocol,
     _reductions,
     _storages,
     _wire,
@@ -256,31 +255,9 @@ def conditional_accumulator(
             rules, ConditionalAccumulatorState, params, kind_of, reductions.tree(params)
         )
 
-    def step(
-        updates: optax.Updates,
-        state: ConditionalAccumulatorState,
-        params: optax.Params | None,
-        call: _protocol.Call,
-        *,
-        local_step: Any = None,
-        weight: Any = None,
-        **extra_args: Any,
-    ) -> _protocol.Result:
-        _checks.require_state(state, ConditionalAccumulatorState)
-        # A held step adds the gradient to the sum, in place, and passes the inner state
-        # on untouched; the release feeds the sum to `inner` (see _engine and _branch).
-        return _engine.accumulate(
-            rules,
-            state,
-            updates,
-            params,
-            call,
-            local_step=local_step,
-            weight=weight,
-            extra_args=extra_args,
-        )
-
-    return _protocol.transformation(init_fn, step, takes_verdict=True)
+    # A held step adds the gradient to the sum, in place, and passes the inner state on
+    # untouched; the release feeds the sum to `inner` (see _engine and _branch).
+    return _engine.transformation(rules, ConditionalAccumulatorState, init_fn)
 
 
 __all__ = ["ConditionalAccumulatorState", "conditional_accumulator"]

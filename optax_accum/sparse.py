@@ -21,7 +21,6 @@ from optax_accum import (
     _counters,
     _engine,
     _extrema,
-    _protocol,
     _reductions,
     _row_buffer,
     _storages,
@@ -287,31 +286,9 @@ def sparse_conditional_accumulator(
             reductions.tree(params),
         )
 
-    def step(
-        updates: optax.Updates,
-        state: SparseConditionalAccumulatorState,
-        params: optax.Params | None,
-        call: _protocol.Call,
-        *,
-        local_step: Any = None,
-        weight: Any = None,
-        **extra_args: Any,
-    ) -> _protocol.Result:
-        _checks.require_state(state, SparseConditionalAccumulatorState)
-        # The release reads the row buffers and never returns them; a held step passes
-        # the inner state on untouched (see _engine and _branch).
-        return _engine.accumulate(
-            rules,
-            state,
-            updates,
-            params,
-            call,
-            local_step=local_step,
-            weight=weight,
-            extra_args=extra_args,
-        )
-
-    return _protocol.transformation(init_fn, step, takes_verdict=True)
+    # The release reads the row buffers and never returns them; a held step passes the
+    # inner state on untouched (see _engine and _branch).
+    return _engine.transformation(rules, SparseConditionalAccumulatorState, init_fn)
 
 
 __all__ = [
