@@ -853,7 +853,8 @@ def test_streaming_under_shard_map_and_jit_on_a_mesh():
 
 def test_streaming_syncs_in_branches_and_int8_on_the_wire():
     """A sync every other step (period 4, 2 fragments) runs its reduction inside its
-    fragment's branch only; with a fragment every step and `communication_dtype` int8
+    fragment's branch only, and so does an unfragmented agn's sync in bfloat16; with a
+    fragment every step and `communication_dtype` int8
     or float8, each step sends the fragment as an all-to-all and an all-gather of
     blocks: 1/3.94 of the bytes of the float32 all-reduce (8 workers under
     `jax.shard_map`)."""
@@ -881,6 +882,9 @@ def test_streaming_syncs_in_branches_and_int8_on_the_wire():
     branches = compiled(communication_period=4, fragments=2, delay=1)
     assert branches and not any(c.every_step for c in branches)
     assert {c.opcode for c in branches} == {"all-reduce"}
+    whole = compiled(communication_period=4, communication_dtype=jnp.bfloat16)  # no fragments
+    assert {c.opcode for c in whole} == {"all-gather", "all-to-all"}
+    assert not any(c.every_step for c in whole)
     plain = compiled(communication_period=2, fragments=2, delay=1)
     assert [(c.opcode, c.every_step) for c in plain] == [("all-reduce", True)]
     # Each device sends an all-reduce's result twice over a ring, an all-to-all's and an
