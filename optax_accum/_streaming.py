@@ -164,6 +164,12 @@ class Rules(NamedTuple):
     counted_rounds: Callable[[Any], Any] | None
 
 
+def multiples(period: int, count: int) -> str:
+    """The multiples of `count` nearest `period`, for an error message."""
+    below, above = period // count * count, (period // count + 1) * count
+    return f"{below} or {above}" if below else str(above)
+
+
 def checked_args(fragments: Any, period: int, delay: Any, blend: Any) -> tuple[int, float]:
     """Checks `fragments`, `delay` and `blend` against each other and the period;
     returns the delay and the blend weight."""
@@ -188,8 +194,7 @@ def checked_args(fragments: Any, period: int, delay: Any, blend: Any) -> tuple[i
             raise ValueError(
                 f"communication_period={period} must be a multiple of fragments={count}: "
                 f"each fragment syncs every {period} steps, one every {period} / {count} "
-                f"steps (choose a period of {max(period // count, 1) * count} or "
-                f"{(period // count + 1) * count}); nothing is rounded"
+                f"steps (choose a period of {multiples(period, count)}); nothing is rounded"
             )
     if not 0 <= delay <= period:
         raise ValueError(
@@ -391,4 +396,4 @@ def step(
     return treedef.unflatten(new_updates), new_state
 
 
-__all__ = ["Layout", "Rules", "Schedule", "checked_args", "layout", "masked", "step"]
+__all__ = ["Layout", "Rules", "Schedule", "checked_args", "layout", "masked", "multiples", "step"]

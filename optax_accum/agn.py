@@ -305,8 +305,7 @@ def agn(
                 f"communication_period={period} must be a multiple of the number of "
                 f"fragments, {layout.count}: each fragment syncs every {period} steps, "
                 f"one every {period} / {layout.count} steps (choose a period of "
-                f"{period // layout.count * layout.count or layout.count} or "
-                f"{(period // layout.count + 1) * layout.count})"
+                f"{_streaming.multiples(period, layout.count)})"
             )
         return layout
 
