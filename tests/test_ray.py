@@ -701,9 +701,16 @@ def test_an_interrupted_take_leaves_the_queue_and_consumes_nothing():
         _thread.interrupt_main()  # as Ctrl-C does: KeyboardInterrupt in the main thread
 
     interrupter = threading.Thread(target=interrupt_when_queued)
-    interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
-        acc.take_grad(2)
+    # Python's own SIGINT handler, which raises KeyboardInterrupt: a pytest-xdist worker
+    # ignores SIGINT (its controller handles Ctrl-C), and then interrupt_main does
+    # nothing. A timeout keeps a missed interrupt a failure, never a hang.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            acc.take_grad(2, timeout=WAIT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     interrupter.join()
     start = time.monotonic()
     wait_until(lambda: acc.num_waiting_takes() == 0, "the take withdrawn")
