@@ -862,11 +862,26 @@ def test_chaos_every_accepted_gradient_is_taken_exactly_once(processes, tmp_path
     progress("takes while a worker is paused")
     _stopped(pids[1:2], False)
     # The chief dies while blocked in a take: the workers are paused until no gradient
-    # is on its way, so its take cannot be served meanwhile.
+    # is on its way (the counters stay put for a second: an apply sent before the pause
+    # may still be writing its file), and resumed once the chief is dead, not merely
+    # signalled (a process tearing itself down still runs, and a take handed its batch
+    # then would be lost with it: no caller can be guarded against dying after it is
+    # answered). So its take cannot be served meanwhile.
+    chief_pid = ray.get(chief.pid.remote())
     _stopped(pids[1:], True)
-    time.sleep(0.5)
-    wait_until(lambda: acc.num_waiting_takes() == 1 and acc.num_accumulated() < 2, "chief blocked")
-    os.kill(ray.get(chief.pid.remote()), signal.SIGKILL)
+    settled = [None]
+
+    def blocked():
+        now = (acc.num_accumulated(), acc.num_dropped)
+        if now != settled[0]:
+            settled[0], settled[1:] = now, [time.monotonic()]
+            return False
+        quiet = time.monotonic() - settled[1] > 1.0
+        return quiet and now[0] < 2 and acc.num_waiting_takes() == 1
+
+    wait_until(blocked, "chief blocked")
+    os.kill(chief_pid, signal.SIGKILL)
+    wait_until(lambda: _dead(chief_pid), "chief dead")
     _stopped(pids[1:], False)
     chief = Process.remote()  # restarted: its handle by name, the same log
     chiefs.append(
