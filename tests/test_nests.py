@@ -34,21 +34,20 @@ LEAVES = 6
 
 
 def _params(dtype=jnp.float32) -> dict:
-    return {f"w{i}": jnp.full((3 + i, 4), 0.1 * (i + 1), dtype) for i in range(LEAVES)}
+    """Built on the host: `jnp.full` compiled a kernel per leaf shape and dtype."""
+    return {
+        f"w{i}": jnp.asarray(np.full((3 + i, 4), 0.1 * (i + 1)).astype(dtype))
+        for i in range(LEAVES)
+    }
 
 
 def _grads(i: int, params: dict) -> dict:
-    """sin(i + 1 + 3 p), leafwise. Computed on all leaves at once, concatenated: op by
-    op on each leaf compiled a kernel per op, leaf shape and dtype (the same values,
-    bit for bit; only the number of compiles differs)."""
-    leaves, tree = jax.tree.flatten(params)
-    host = [np.asarray(p) for p in leaves]
-    x = jnp.asarray(np.concatenate([h.ravel() for h in host]))
-    g = np.asarray(jnp.sin(jnp.ones_like(x) * (i + 1) + x * 3.0))
-    ends = np.cumsum([h.size for h in host])
-    parts = np.split(g, ends[:-1])
-    return jax.tree.unflatten(
-        tree, [jnp.asarray(v.reshape(h.shape)) for v, h in zip(parts, host, strict=True)]
+    """sin(i + 1 + 3 p), leafwise, in float64 on the host and rounded to the leaf's
+    dtype: every run of a test takes the same gradients, and no kernel is compiled for
+    them (eager jnp ops compiled one per op, shape and dtype)."""
+    return jax.tree.map(
+        lambda p: jnp.asarray(np.sin(i + 1 + 3.0 * np.asarray(p, np.float64)).astype(p.dtype)),
+        params,
     )
 
 
@@ -69,7 +68,8 @@ def _train(*runs, steps: int, dtype=jnp.float32, extra=lambda i, s: {}) -> list:
     compile, not one per run), each on its own params, gradients and tags. Returns
     [(params, state)], one per run."""
     params = [_params(dtype) for _ in runs]
-    states = [tx.init(p) for (tx, _), p in zip(runs, params, strict=True)]
+    # One compiled init for all runs (eager inits compiled a kernel per op and shape).
+    states = jax.jit(lambda ps: [tx.init(p) for (tx, _), p in zip(runs, ps, strict=True)])(params)
 
     def all_steps(params, states, grads, extras):
         out = [
@@ -133,7 +133,7 @@ def test_drop_stale_around_an_accumulator_drops_and_passes():
         # The same gradients, those of lag 2 left out, straight into the accumulator.
         params = _params(jnp.float64)
         ref_tx = inner()
-        ref_state = ref_tx.init(params)
+        ref_state = jax.jit(ref_tx.init)(params)
         ref_step = jax.jit(functools.partial(_canonical, ref_tx))
         for i, lag in enumerate(lags):
             if lag <= 1:
@@ -192,8 +192,9 @@ def test_accumulated_reads_each_level_zeros_after_its_release():
 
 
 def _fusions(tx) -> int:
-    params = _params()
-    state = tx.init(params)
+    # Shapes and dtypes are all a lowering reads: nothing runs before the compile.
+    params = jax.eval_shape(_params)
+    state = jax.eval_shape(tx.init, params)
     step = jax.jit(functools.partial(_canonical, tx), donate_argnums=(0, 1))
     text = step.lower(params, state, params, {}).compile().as_text()
     return text.count(" fusion(")
@@ -215,9 +216,9 @@ def test_each_level_adds_at_most_its_addition_to_the_cpu_program():
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_accelerators_branch_at_every_level(platform):
     tx = DS(CA(CA(adam(0.1), 2), 2), 1)
-    params = _params()
+    params = jax.eval_shape(_params)
     step = functools.partial(_canonical, tx)
-    lowered = jax.jit(step).trace(params, tx.init(params), params, {})
+    lowered = jax.jit(step).trace(params, jax.eval_shape(tx.init, params), params, {})
     text = lowered.lower(lowering_platforms=(platform,)).as_text()
     assert "stablehlo.while" not in text and "optimization_barrier" not in text
     assert text.count('"stablehlo.case"') >= 3
@@ -272,7 +273,7 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
             if pattern == "apply_gradients"
             else lambda tx, p, s, g, e: _sparse_canonical(tx, p, s, g, e)
         )
-    inner_type = type(INNERS[inner]().init(_params()))
+    inner_type = type(jax.eval_shape(INNERS[inner]().init, _params()))
     # Gated and branched side by side in one jitted program (one compile, not two).
     txs = [DS(wrap(INNERS[inner]()), 2) for wrap in (lambda tx: tx, optax.chain)]
 
@@ -283,7 +284,7 @@ def test_a_passed_verdict_equals_the_branch_around_the_accumulator(inner, patter
 
     run = jax.jit(both)
     params = [_params() for _ in txs]
-    states = [tx.init(p) for tx, p in zip(txs, params, strict=True)]
+    states = jax.jit(lambda ps: [tx.init(p) for tx, p in zip(txs, ps, strict=True)])(params)
     results = [[] for _ in txs]
     for i, lag in enumerate(lags):
         grads = [_grads(i, p) for p in params]
