@@ -37,6 +37,7 @@ import pytest
 from _cases import lenient
 from _hlo import collectives
 from _matrix import pairwise
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -145,8 +146,10 @@ def _place_params(params: dict, layout: str | None) -> dict:
     if layout is None:
         return jax.tree.map(jnp.asarray, params)
     _, _, _, sharded, reduced = LAYOUTS[layout]
+    mesh = _mesh(layout)  # placed from the host: no eager reshard to compile
     placed = jax.tree.map(
-        lambda x: jax.reshard(jnp.asarray(x), P(sharded if x.ndim == 2 else None)), params
+        lambda x: jax.device_put(x, NamedSharding(mesh, P(sharded if x.ndim == 2 else None))),
+        params,
     )
     return optax_accum.as_reduced(placed, tuple(reduced))
 
@@ -154,7 +157,8 @@ def _place_params(params: dict, layout: str | None) -> dict:
 def _place_batch(batch, layout: str | None):
     if layout is None:
         return tuple(jnp.asarray(x) for x in batch)
-    return tuple(jax.reshard(jnp.asarray(x), LAYOUTS[layout][2]) for x in batch)
+    sharding = NamedSharding(_mesh(layout), LAYOUTS[layout][2])
+    return tuple(jax.device_put(x, sharding) for x in batch)
 
 
 # --------------------------------------------------------------------------- the steps
@@ -445,13 +449,22 @@ def test_one_reduction_per_window_under_jit(case, pattern, layout, model):
         assert int(state.num_nonfinite) == 1
 
 
+@functools.cache
+def _one_device_grads():
+    """`jax.grad` of the "any" model on one device, on the first batch (jitted: one
+    compile, where the eager gradient compiles each of its operations)."""
+    with _compat.enable_x64():
+        params, batch = _place_params(_params("any"), None), _place_batch(_batches()[0], None)
+        return jax.tree.map(np.asarray, jax.jit(jax.grad(_any_loss))(params, batch))
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_unreduced_grad_is_jax_grad_left_unreduced(layout):
     """Any model (a bias, a layer norm): the gradients' true values are those of
     `jax.grad` on one device; they come back unreduced over the batch axes, each with
     its param's layout, and nothing crosses those axes to make them."""
     params, batch = _params("any"), _batches()[0]
-    want = jax.grad(_any_loss)(_place_params(params, None), _place_batch(batch, None))
+    want = _one_device_grads()
     with jax.set_mesh(_mesh(layout)):
         placed, placed_batch = _place_params(params, layout), _place_batch(batch, layout)
         grad_fn = jax.jit(optax_accum.unreduced_grad(_any_loss, tuple(LAYOUTS[layout][4])))
