@@ -800,6 +800,7 @@ def test_streaming_under_shard_map_and_jit_on_a_mesh():
         assert all(s == P() for s in jax.tree.leaves((specs.centre, specs.outer_state)))
         assert all(s == P("w") for s in jax.tree.leaves(specs.inner_state))
         stacked = jax.tree.map(lambda x: np.tile(x, (workers,) + (1,) * x.ndim), p0)
+        host_a, host_b = a, b  # the reference's, in NumPy (no eager op on device arrays)
         with jax.set_mesh(mesh):
             rows = jax.sharding.NamedSharding(mesh, P("w"))
             stacked, a, b = jax.device_put((stacked, a, b), rows)
@@ -827,8 +828,9 @@ def test_streaming_under_shard_map_and_jit_on_a_mesh():
                 runs["shard_map"] = compiled(*runs["shard_map"], a, b)
                 runs["jit"] = vstep(*runs["jit"], a, b)
                 for name, (params, state) in runs.items():
-                    centre = state.centre if name == "shard_map" else one(state.centre)
-                    trajectories[name].append((jax.device_get(params), jax.device_get(centre)))
+                    centre = jax.device_get(state.centre)  # read on the host: no eager op
+                    centre = centre if name == "shard_map" else one(centre)
+                    trajectories[name].append((jax.device_get(params), centre))
         vstate = runs["jit"][1]
         for leaf in jax.tree.leaves((vstate.centre, vstate.inner_state, vstate.outer_state)):
             if leaf.ndim:
@@ -836,7 +838,9 @@ def test_streaming_under_shard_map_and_jit_on_a_mesh():
         keys = list(STREAM_SHAPES)
         members = _members(cfg["fragments"], p0)
         reference = np_streaming(
-            lambda w, t, local: [a[k][w] * (local[i] - b[k][w]) for i, k in enumerate(keys)],
+            lambda w, t, local: [
+                host_a[k][w] * (local[i] - host_b[k][w]) for i, k in enumerate(keys)
+            ],
             [p0[k] for k in keys], cfg["period"], steps, inner, outer, cfg["commit"], workers,
             members, cfg["delay"], cfg["blend"],
         )  # fmt: skip
