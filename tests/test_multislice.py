@@ -54,8 +54,8 @@ def _data():
 
 
 def _sharded(tx, params):
-    """The train step under `jax.shard_map`, and the state made for it: each slice
-    keeps its own window sum (`state_partition_specs` says which leaves differ)."""
+    """The train step under `jax.shard_map`, and the init that makes its state: each
+    slice keeps its own window sum (`state_partition_specs` says which leaves differ)."""
     mesh = _mesh()
     specs = optax_accum.state_partition_specs(tx, params, mesh)
 
@@ -69,7 +69,7 @@ def _sharded(tx, params):
     step = jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=(rep, specs, batch, batch), out_specs=(rep, specs))
     )
-    return step, init(params)
+    return step, init
 
 
 def _sub_jaxprs(params: dict):
@@ -98,7 +98,8 @@ def _psums(jaxpr, inside: bool = False, found=None) -> list:
 def test_fast_axis_every_step_slow_axis_only_on_release():
     tx = _tx()
     params = _params()
-    step, state = _sharded(tx, params)
+    step, init = _sharded(tx, params)
+    state = jax.eval_shape(init, params)  # only traced: nothing to compile or run
     x, y = (jnp.asarray(a) for a in _data()[0])
     jaxpr = jax.make_jaxpr(step)(params, state, x, y).jaxpr
     psums = _psums(jaxpr)
@@ -124,12 +125,14 @@ def test_two_level_mesh_trains_as_one_device_on_the_global_batch(dtype):
     with _compat.enable_x64():
         tx = _tx()
         params = jax.tree.map(lambda p: p.astype(dtype), _params())
-        step, state = _sharded(tx, params)
+        step, init = _sharded(tx, params)
+        state = init(params)
         want = jax.tree.map(np.asarray, params)
+        grad = jax.jit(jax.grad(_loss))  # the reference's gradient: one compile
         window = []
         for i, (x, y) in enumerate(_data()):
             params, state = step(params, state, jnp.asarray(x), jnp.asarray(y))
-            window.append(jax.grad(_loss)(jax.tree.map(jnp.asarray, want), x, y))
+            window.append(grad(jax.tree.map(jnp.asarray, want), x, y))
             if (i + 1) % K == 0:  # SGD on the mean gradient of the window's global batches
                 mean = jax.tree.map(lambda *g: sum(g) / K, *window)
                 want = jax.tree.map(lambda p, g: p - 0.3 * np.asarray(g), want, mean)
@@ -143,7 +146,8 @@ def test_the_window_sum_over_slices_is_a_conditional_in_the_tpu_program():
     """What a TPU gets: the slow all-reduce sits in a `stablehlo.case` branch."""
     tx = _tx()
     params = _params()
-    step, state = _sharded(tx, params)
+    step, init = _sharded(tx, params)
+    state = jax.eval_shape(init, params)  # only traced: nothing to compile or run
     x, y = (jnp.asarray(a) for a in _data()[0])
     traced = step.trace(params, state, x, y)
     text = traced.lower(lowering_platforms=("tpu",)).as_text()
