@@ -96,7 +96,7 @@ def test_set_global_step_on_a_batched_state_sets_every_element():
     assert steps.shape == (3,) and steps.dtype == jnp.int32
     np.testing.assert_array_equal(steps, [5, 5, 5])
     # Still a state the batched update takes: a stale gradient is dropped everywhere.
-    update = jax.vmap(lambda g, s, ls: tx.update(g, s, local_step=ls))
+    update = jax.jit(jax.vmap(lambda g, s, ls: tx.update(g, s, local_step=ls)))
     _, state = update(jnp.ones((3, 2)), state, jnp.array([4, 5, 6]))
     np.testing.assert_array_equal(optax_accum.num_accumulated(state), [0, 1, 1])
 
@@ -204,7 +204,7 @@ def test_an_accessor_result_can_go_into_a_step_that_donates_the_state(name, acce
 def test_accessors_work_under_jit_and_vmap(accessor):
     tx = _accumulator()
     batched = jax.vmap(tx.init)(jnp.zeros((3, 2)))
-    batched = jax.vmap(lambda s: tx.update(jnp.ones(2), s)[1])(batched)
+    batched = jax.jit(jax.vmap(lambda s: tx.update(jnp.ones(2), s)[1]))(batched)
     want = np.asarray(ACCESSORS[accessor](batched))
     np.testing.assert_array_equal(np.asarray(jax.vmap(ACCESSORS[accessor])(batched)), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(ACCESSORS[accessor])(batched)), want)
