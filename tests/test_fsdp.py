@@ -442,7 +442,7 @@ def _split_rows_run(mesh):
     context = contextlib.nullcontext() if mesh is None else _compat.mesh_context(mesh)
     with context:
         params = _placed(start, SPARSE_SPECS, mesh)
-        opt_state = tx.init(params)
+        opt_state = jax.jit(tx.init)(params)  # one compile, not one per operation
         compiled = None
         for ids, rows, bias in _split_rows_steps():
             batch = _placed((ids, rows, bias), (P("data"), P("data", None), P()), mesh)
