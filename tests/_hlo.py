@@ -20,6 +20,13 @@ import numpy as np
 from optax_accum.demo.hlo import Collective, called, computations
 from optax_accum.demo.hlo import collectives as _collectives
 
+# `lowered.compile(compiler_options=AS_USERS_COMPILE)`: XLA:CPU's code generation as
+# users get it, for the tests that read how the compiler laid a program out (kernels,
+# in-place updates). The suite turns XLA:CPU's fusion emitters off (conftest.py) for
+# compile time; the older emitters leave a lone elementwise op outside any fusion and
+# lower a scatter to a dynamic-update-slice.
+AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True}
+
 _ASSIGN = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*")
 _ARRAY = re.compile(r"\w+\[([^\]]*)\]\S*")
 _OPCODE = re.compile(r"\s*([\w-]+)\((.*)$")

@@ -12,6 +12,7 @@ import optax
 import pytest
 from _cases import examples, lenient
 from _compiled import compiled_once
+from _hlo import AS_USERS_COMPILE
 from _matrix import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -548,7 +549,8 @@ def test_update_does_no_table_sized_work():
     tx = sparse_conditional_accumulator(optax_accum.sparse_sgd(0.1), 2, capacity=16, sparse=True)
     g = IndexedSlices(jnp.zeros(8, jnp.int32), jnp.zeros((8, 3)), (rows, 3))
     state = tx.init(jnp.zeros((rows, 3)))
-    hlo = jax.jit(lambda s, g: tx.update(g, s), donate_argnums=0).lower(state, g).compile()
+    lowered = jax.jit(lambda s, g: tx.update(g, s), donate_argnums=0).lower(state, g)
+    hlo = lowered.compile(compiler_options=AS_USERS_COMPILE)
     table_sized = [
         line.strip()
         for line in hlo.as_text().splitlines()
