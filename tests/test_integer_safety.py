@@ -153,9 +153,7 @@ def test_sparse_count_and_row_touches_reach_max_without_wrapping():
     )
     state = tx.init(jnp.zeros((6, 2)))
     _, state = jax.jit(tx.update)(_sparse_grad([3]), state)
-    (buffer,) = [
-        b for b in jax.tree.leaves(state.storage, is_leaf=lambda x: hasattr(x, "touches"))
-    ]
+    (buffer,) = [b for b in jax.tree.leaves(state.storage, is_leaf=lambda x: hasattr(x, "touches"))]
     buffer = buffer._replace(touches=buffer.touches.at[0].set(MAX - 1))
     state = _at(state, count=MAX - 1)._replace(storage=buffer)
     updates, state = jax.jit(tx.update)(_sparse_grad([3]), state)
