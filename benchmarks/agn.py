@@ -55,7 +55,6 @@ from optax_accum.demo.agn import (
     WORKERS,
     Method,
     Result,
-    by_layer,
     streaming,
     study,
 )
@@ -123,18 +122,9 @@ def methods(lr: float = LEARNING_RATE) -> list[Method]:
         ),
     ]
     every = streaming(lr, jnp.int8)
-    fragment_a_step = Method(
-        SD_EVERY,
-        lambda axis: optax_accum.agn(
-            optax.sgd(lr),
-            2,
-            axis_name=axis,
-            commit="delta",
-            outer=optax.sgd(0.7 * 2, momentum=0.9, nesterov=True),
-            fragments=by_layer,
-            delay=1,
-            communication_dtype=jnp.int8,
-        ),
+    fragment_a_step = dataclasses.replace(
+        streaming(lr, jnp.int8, period=2),
+        name=SD_EVERY,
         # one buffer as long as the larger layer, every step
         wire=lambda params: (max(every.wire(params)),),
     )

@@ -66,11 +66,11 @@ def by_layer(path: Any) -> int:
     return int(str(path[0].key).rsplit("_", 1)[-1])
 
 
-def streaming(lr: float = LEARNING_RATE, dtype: Any = jnp.int8) -> Method:
+def streaming(lr: float = LEARNING_RATE, dtype: Any = jnp.int8, period: int = 4) -> Method:
     """Streaming DiLoCo: DiLoCo's outer step, one fragment a layer (two), each synced
-    every 4 steps, one of them every 2 steps, reduced in the step after its sync step
-    (`delay=1`, so the reduction does not wait for that step's gradient) and sent in
-    `dtype`."""
+    every `period` steps, one of them every `period / 2` steps, reduced in the step
+    after its sync step (`delay=1`, so the reduction does not wait for that step's
+    gradient) and sent in `dtype`."""
 
     def wire(params: Any) -> tuple[int, ...]:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -80,10 +80,10 @@ def streaming(lr: float = LEARNING_RATE, dtype: Any = jnp.int8) -> Method:
         f"streaming DiLoCo, 2 layers, delay 1, {np.dtype(dtype).name}",
         lambda axis: optax_accum.agn(
             optax.sgd(lr),
-            4,
+            period,
             axis_name=axis,
             commit="delta",
-            outer=optax.sgd(0.7 * 4, momentum=0.9, nesterov=True),
+            outer=optax.sgd(0.7 * period, momentum=0.9, nesterov=True),
             fragments=by_layer,
             delay=1,
             communication_dtype=dtype,
