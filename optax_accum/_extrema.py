@@ -7,17 +7,28 @@ the next gradient starts from the identity (-inf for max, +inf for min) in the s
 pass. A max has no weights: every accepted gradient takes part, whatever its `weight`.
 Under an `axis_name` each replica keeps its own and the release takes one `pmax`
 (`pmin`) over the replicas; a held step moves nothing.
+
+Under `jax.jit` on a mesh, a max leaf whose param is typed reduced over axes A gets
+its statistic typed unreduced over A, each device holding its own value. jax 0.10's
+unreduced type has one kind, the sum, and no op but linear ones and the sum's
+reduction may read it, so the store is kept by hand: typed unreduced over A like the
+gradient, combined inside a `jax.shard_map` that does not check types (each device
+takes the max of its own values; nothing moves), and released by one `pmax` (`pmin`)
+over A in the same way, to the plain type. The release reads each device's part as
+that device's value, which is what jax 0.11's max kind of unreduced says.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from optax_accum import _checks, _compat, _sums
+from optax_accum import _checks, _compat, _sums, _unreduced
 from optax_accum.indexed_slices import IndexedSlices
 
 
@@ -62,52 +73,70 @@ def identity(how: str, like: jax.Array) -> jax.Array:
 
 def empty(how: str, param: Any, accumulator_dtype: Any) -> Any:
     """The store of a fresh window: the identity, in the dtype the accumulator keeps for
-    `param` (its sharding and varying axes too)."""
+    `param` (its sharding and varying axes too); typed unreduced over the axes `param`
+    is reduced over, the identity on every device."""
     dtype = _sums.accumulator_dtype_for(jnp.result_type(param), accumulator_dtype)
-    return KINDS[how](identity(how, jnp.zeros_like(param, dtype=dtype)))
-
-
-def check_param(where: str, param: Any, kind: str) -> None:
-    """At `init`: a max (min) leaf's param must not be typed reduced, whose gradients
-    arrive as partial sums (see `check`)."""
-    axes = _compat.sum_types(param)[0]
-    if axes:
-        raise TypeError(
-            f'{where} has reduction "{kind}" but is typed reduced over {sorted(axes)}: its '
-            "gradients would arrive typed unreduced, partial sums over devices, whose "
-            f"{kind} is not the {kind} of the values (jax 0.10 has no max kind of "
-            "unreduced). Keep this param out of optax_accum.as_reduced (its statistic then "
-            "arrives with its true values), or accumulate under jax.shard_map with "
-            f"axis_name, where each replica keeps its own and the release takes one {kind}"
-        )
+    zeros = _unreduced.sum_zeros(param, dtype)
+    axes = _held_axes(zeros)
+    if not axes:
+        return KINDS[how](identity(how, zeros))
+    spec = _spec(zeros, axes)
+    return KINDS[how](_by_device(lambda z: identity(how, z), (zeros,), (spec,), spec, zeros))
 
 
 def continued(store: Any, restart: jax.Array, accepted: jax.Array, gradient: jax.Array) -> Any:
     """The store after one step: restarted if the last step released it, combined with
-    the gradient if `accepted` (a selection: a rejected NaN never reaches it)."""
+    the gradient if `accepted` (a selection: a rejected NaN never reaches it). A store
+    typed unreduced is combined on each device, moving nothing."""
     kind = how(store)
-    values = _sums.select(restart, identity(kind, store.values), store.values)
-    combined = _COMBINE[kind](values, gradient.astype(values.dtype))
-    return type(store)(_sums.select(accepted, combined, values))
+
+    def step(restart: jax.Array, accepted: jax.Array, values: jax.Array, g: jax.Array) -> Any:
+        values = _sums.select(restart, identity(kind, values), values)
+        combined = _COMBINE[kind](values, g.astype(values.dtype))
+        return _sums.select(accepted, combined, values)
+
+    axes = _held_axes(store.values)
+    if not axes:
+        return type(store)(step(restart, accepted, store.values, gradient))
+    spec = _spec(store.values, axes)
+    args = (restart, accepted, store.values, gradient)
+    return type(store)(_by_device(step, args, (P(), P(), spec, spec), spec, store.values))
 
 
 def released(stores: list, axis_name: Any) -> list:
     """The window's values: each store's, and over `axis_name` one `pmax` (`pmin`) per
-    kind for all its leaves (XLA may pack them into one all-reduce)."""
+    kind for all its leaves (XLA may pack them into one all-reduce); a store typed
+    unreduced takes one `pmax` (`pmin`) over its axes, to the plain type."""
     out = [s.values for s in stores]
-    if axis_name is None:
-        return out
     for kind, across in _ACROSS.items():
         at = [i for i, s in enumerate(stores) if how(s) == kind]
-        if at:
+        if axis_name is not None and at:
             for i, x in zip(at, across([out[i] for i in at], axis_name), strict=True):
+                out[i] = x
+            continue
+        groups: dict[frozenset, list[int]] = {}
+        for i in at:
+            if _held_axes(out[i]):
+                groups.setdefault(_held_axes(out[i]), []).append(i)
+        for axes, where in groups.items():
+            reduced = _across_devices(across, [out[i] for i in where], axes)
+            for i, x in zip(where, reduced, strict=True):
                 out[i] = x
     return out
 
 
+def _across_devices(across: Callable, values: list, axes: frozenset) -> list:
+    """`values`, each typed unreduced over `axes`, reduced by `across` (`lax.pmax` or
+    `lax.pmin`) over them to the plain type: one all-reduce for them all."""
+    names = _mesh_order(values[0], axes)
+    specs = (tuple(_spec(v, axes) for v in values), [_spec(v) for v in values])
+    return _by_device(lambda *xs: across(list(xs), names), values, *specs, values[0])
+
+
 def check(where: str, gradient: Any, store: Any) -> None:
-    """A max (min) leaf's gradient: an array of its param's shape, floating, whose true
-    values each device holds (not typed unreduced: partial sums have no max)."""
+    """A max (min) leaf's gradient: an array of its param's shape, floating, holding its
+    true values on each device (plain), or each device's own values (typed unreduced
+    over the axes its param is reduced over)."""
     kind = how(store)
     if isinstance(gradient, IndexedSlices):
         raise TypeError(
@@ -115,16 +144,56 @@ def check(where: str, gradient: Any, store: Any) -> None:
             "IndexedSlices: offer its dense values (IndexedSlices.to_dense())"
         )
     _checks.check_tree_matches(gradient, store.values, what=where)
-    axes = _compat.sum_types(gradient)[1]
-    if axes:
+    got, want = _held_axes(gradient), _held_axes(store.values)
+    if got == want:
+        return
+    if not want:
         raise TypeError(
             f'{where} must hold its true values (reduction "{kind}"), got '
-            f"{jax.typeof(gradient)}, typed unreduced over {sorted(axes)}: each device holds "
-            f"a partial sum, and the {kind} of partial sums is not the {kind} of the values "
-            "(jax 0.10 has no max kind of unreduced). Keep this param out of "
-            "optax_accum.as_reduced, or accumulate under jax.shard_map with axis_name, "
-            f"where each replica keeps its own and the release takes one {kind} over them"
+            f"{jax.typeof(gradient)}, typed unreduced over {sorted(got)}: each device holds "
+            "its own part, and the state was made from a param not typed reduced, which "
+            "keeps one value for all devices. Make the state from the params typed reduced "
+            "over these axes (optax_accum.as_reduced): each device then keeps its own "
+            f"{kind} and the release takes one {kind} over them"
         )
+    raise TypeError(
+        f"{where} must be typed unreduced over {sorted(want)}, as the running {kind} that "
+        "tx.init made from its param typed reduced over them is: each device's own value "
+        '(jax.lax.pcast(x, axes, to="unreduced") inside a jax.shard_map gives it), got '
+        f"{jax.typeof(gradient)}"
+    )
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+def _held_axes(x: Any) -> frozenset:
+    """The mesh axes over which `x` holds one value per device (typed unreduced)."""
+    return _compat.sum_types(x)[1]
+
+
+def _spec(x: Any, unreduced: frozenset = frozenset()) -> P:
+    """`x`'s layout, typed unreduced over `unreduced`."""
+    partitions = _compat.explicit_sharding(jax.typeof(x)).spec.partitions
+    return P(*partitions, unreduced=unreduced)
+
+
+def _mesh_order(x: Any, axes: frozenset) -> tuple:
+    """`axes` in the order of `x`'s mesh."""
+    names = _compat.explicit_sharding(jax.typeof(x)).mesh.axis_names
+    return tuple(a for a in names if a in axes)
+
+
+def _by_device(fn: Callable, args: Any, in_specs: Any, out_specs: Any, like: jax.Array) -> Any:
+    """`fn` on each device's own block of `args`: a `jax.shard_map` over `like`'s mesh
+    that does not check types, the one way jax 0.10 lets a program compute anything but
+    a sum from values typed unreduced."""
+    mesh = _compat.explicit_sharding(jax.typeof(like)).mesh
+    placed = None if isinstance(like, jax.core.Tracer) else getattr(like, "sharding", None)
+    if isinstance(placed, jax.sharding.NamedSharding):  # eager: the concrete mesh
+        mesh = placed.mesh
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return mapped(*args)
 
 
 __all__ = [
@@ -132,7 +201,6 @@ __all__ = [
     "RunningMax",
     "RunningMin",
     "check",
-    "check_param",
     "continued",
     "empty",
     "how",

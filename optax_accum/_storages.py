@@ -249,7 +249,8 @@ def row_buffer(capacity: int) -> Storage:
 def extremum(how: str, accumulator_dtype: Any = None) -> Storage:
     """A dense leaf whose window combines by `how`, "max" or "min": its running max
     (min) of the accepted gradients, whatever their weights (a max has none), and under
-    an `axis_name` one `pmax` (`pmin`) over the replicas in the release."""
+    an `axis_name` (or over the devices, for a param typed reduced) one `pmax` (`pmin`)
+    in the release."""
     kind = _extrema.KINDS[how]
 
     def add(stores: list, grads: list, offer: Offer) -> Added:
@@ -267,10 +268,10 @@ def extremum(how: str, accumulator_dtype: Any = None) -> Storage:
         holds=lambda store: isinstance(store, kind),
         empty=lambda param: _extrema.empty(how, param, accumulator_dtype),
         check=_extrema.check,
-        finite=lambda g, s: jnp.isfinite(g).all(),
+        finite=lambda g, s: _unreduced.finite(g),
         add=add,
         release=release,
-        retyped=_same,  # never unreduced: a param typed reduced is refused at init
+        retyped=lambda u, s: _unreduced.like_params(u, s.values),
         after=_same,
         held=_same,
         spendable=True,  # restarted lazily, as a dense sum

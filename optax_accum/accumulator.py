@@ -18,7 +18,6 @@ from optax_accum import (
     _checks,
     _counters,
     _engine,
-    _extrema,
     _reductions,
     _storages,
     _wire,
@@ -158,7 +157,9 @@ def conditional_accumulator(
       reduction: "mean" (default), "sum", "max" or "min", in any case, for every
         leaf; or a tree of them shaped like the params (or a prefix of it, e.g.
         `{"params": "mean", "fp8_meta": "max"}`), or a function of a leaf's path (the
-        key tuple `jax.tree_util.tree_flatten_with_path` gives) returning one.
+        key tuple `jax.tree_util.tree_flatten_with_path` gives) returning one. A
+        "max" ("min") leaf whose param is typed reduced takes each device's own value
+        (its gradient typed unreduced) and the release one max (min) over them.
       accumulator_dtype: the dtype of the running sum. Default: float32 for float16
         and bfloat16 params, the params' dtype otherwise. Updates come back in the
         gradients' dtypes.
@@ -246,7 +247,6 @@ def conditional_accumulator(
 
     def kind_of(param: Any, choice: _reductions.Choice) -> _engine.Storage:
         if choice.how in extrema:
-            _extrema.check_param(choice.where, param, choice.how)
             return extrema[choice.how]
         return sums
 

@@ -20,7 +20,6 @@ from optax_accum import (
     _checks,
     _counters,
     _engine,
-    _extrema,
     _reductions,
     _row_buffer,
     _storages,
@@ -271,7 +270,6 @@ def sparse_conditional_accumulator(
                 "sparse (a row buffer: its rows combine by sum or mean); give it "
                 '"mean" or "sum", or mark it dense with `sparse`'
             )
-        _extrema.check_param(choice.where, param, choice.how)
         return extrema[choice.how]
 
     def init_fn(params: optax.Params) -> SparseConditionalAccumulatorState:

@@ -8,8 +8,11 @@
   windows), the reduction given as a function of the leaf path.
 - Under `jax.shard_map` with `axis_name`: a held step moves nothing gradient-sized, the
   release runs one max all-reduce; in a nest; in the sparse accumulator.
-- Bad input: a max on a sparse leaf or on a param typed reduced, an `IndexedSlices` or
-  an unreduced gradient for a max leaf, a tree that does not fit.
+- Under `jax.jit` on params typed reduced (`as_reduced`): each device keeps its own
+  max and min through held steps that move nothing, and the release takes one max and
+  one min all-reduce, beside the sum's; equal to the float64 max over devices and steps.
+- Bad input: a max on a sparse leaf, an `IndexedSlices` for a max leaf, a gradient
+  typed otherwise than its param, a tree that does not fit.
 """
 
 from __future__ import annotations
@@ -231,6 +234,118 @@ def test_axis_name_holds_per_replica_and_the_release_takes_one_max():
     np.testing.assert_allclose(updates["w"], both["w"].mean(0), rtol=1e-5)
 
 
+# --------------------------------------------------------------------------- params typed reduced
+
+
+def _local_extrema(x: jax.Array, mesh: jax.sharding.Mesh) -> tuple[jax.Array, jax.Array]:
+    """Each device's own column max of |x| and min of x, over its rows of the batch,
+    typed unreduced over "data" (what an FP8 layer's amax is, before any reduction)."""
+
+    def local(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        stats = jnp.abs(rows).max(0), rows.min(0)
+        return jax.tree.map(lambda v: jax.lax.pcast(v, "data", to="unreduced"), stats)
+
+    held = P(None, unreduced={"data"})
+    return jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=(held, held))(x)
+
+
+@functools.cache
+def _reduced_step() -> tuple:
+    """The canonical step on params typed reduced over "data" (8 devices), identity
+    inside `conditional_accumulator` (2 gradients a window; "w" mean, "amax" max,
+    "amin" min): the compiled step, the state and params, the mesh."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = optax_accum.conditional_accumulator(
+        optax.identity(), 2, reduction={"w": "mean", "amax": "max", "amin": "min"}
+    )
+    with jax.set_mesh(mesh):
+        w = jnp.asarray(np.random.default_rng(4).normal(size=(16, 4)) / 16, jnp.float32)
+        params = optax_accum.as_reduced(
+            {"w": w, "amax": jnp.zeros(16), "amin": jnp.zeros(16)}, "data"
+        )
+        state = jax.jit(tx.init)(params)
+
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        grads["amax"], grads["amin"] = _local_extrema(x, mesh)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    x = jax.ShapeDtypeStruct((4 * N, 16), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+    return compiled, params, state, mesh
+
+
+def test_params_typed_reduced_keep_each_devices_max_and_release_one_max():
+    compiled, params, state, mesh = _reduced_step()
+    text = compiled.as_text()
+    found = collectives(text)
+    assert all(c.nbytes <= 64 for c in found if c.every_step), found  # the gate's scalars
+    released = sorted(c.nbytes for c in found if not c.every_step)
+    assert released == [16 * 4, 16 * 4, 16 * 4 * 4], found  # amax, amin, w: one each
+    assert len(_max_all_reduces(text)) == 1
+    rng = np.random.default_rng(3)
+    xs = rng.normal(size=(4, 4 * N, 16)).astype(np.float32)
+    xs[1, 5, 2] = 40.0  # one device's outlier, in one micro-batch of the first window
+    w = np.asarray(params["w"], np.float64)
+    got = []
+    with jax.set_mesh(mesh):
+        for x in xs:
+            params, state, updates = compiled(params, state, jax.device_put(x, P("data")))
+            got.append(jax.tree.map(np.asarray, updates))
+        kept = state.storage["amax"].values
+        assert _compat.sum_types(kept) == (frozenset(), {"data"})
+        kept = np.stack([np.asarray(s.data) for s in kept.addressable_shards])
+    for i, window in ((1, xs[:2]), (3, xs[2:])):
+        x64 = window.astype(np.float64)
+        np.testing.assert_array_equal(got[i]["amax"], np.abs(x64).max((0, 1)))
+        np.testing.assert_array_equal(got[i]["amin"], x64.min((0, 1)))
+        mean = np.mean([2 * b.T @ (b @ w) for b in x64], 0)
+        np.testing.assert_allclose(got[i]["w"], mean, rtol=1e-5, atol=1e-6)
+        w = w + mean  # identity's update, applied
+    assert got[1]["amax"][2] == 40.0  # the outlier survives its window
+    assert not any(np.any(got[i][k]) for i in (0, 2) for k in got[i])  # held: no update
+    # Each device kept its own maxima of the last window: its 4 rows of both batches.
+    own = np.abs(xs[2:]).reshape(2, N, 4, 16).max((0, 2))
+    np.testing.assert_array_equal(kept, own)
+    assert len({row.tobytes() for row in kept}) == N
+
+
+def test_the_sparse_accumulator_on_params_typed_reduced_skips_a_devices_nan_max():
+    """Eager init, `apply_gradients` (the update applied inside the release), a dense
+    max leaf of the sparse accumulator, and one device's NaN maximum dropping the whole
+    gradient under `skip_nonfinite`."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = optax_accum.sparse_conditional_accumulator(
+        optax.sgd(1.0),
+        2,
+        capacity=4,
+        reduction={"w": "mean", "amax": "max"},
+        sparse={"w": False, "amax": False},
+        skip_nonfinite=True,
+    )
+
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.nan_to_num(x) @ p["w"]))(params)
+        grads["amax"] = _local_extrema(x, mesh)[0]  # NaN only here
+        return optax_accum.apply_gradients(tx, grads, state, params)
+
+    xs = np.random.default_rng(5).normal(size=(3, 4 * N, 16)).astype(np.float32)
+    xs[1, 9, 3] = np.nan  # device 2's rows: its max is NaN, the others' are not
+    with jax.set_mesh(mesh):
+        params = optax_accum.as_reduced({"w": jnp.ones((16, 2)), "amax": jnp.zeros(16)}, "data")
+        state = tx.init(params)
+        assert _compat.sum_types(state.storage["amax"].values)[1] == {"data"}
+        update = jax.jit(step, donate_argnums=(0, 1))
+        for x in xs:
+            params, state = update(params, state, jax.device_put(x, P("data")))
+        assert int(state.num_nonfinite) == 1
+        assert _compat.sum_types(params["amax"])[0] == {"data"}  # typed as it came
+    want = -np.abs(xs[[0, 2]].astype(np.float64)).max((0, 1))  # sgd(1.0): minus the max
+    np.testing.assert_array_equal(params["amax"], want)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -261,7 +376,7 @@ def test_a_tree_that_does_not_fit_and_a_bad_function_are_refused():
         tx.init({"b": jnp.zeros(2)})
 
 
-def test_a_max_leaf_refuses_a_param_typed_reduced_and_an_unreduced_gradient():
+def test_a_max_leaf_refuses_a_gradient_typed_otherwise_than_its_param():
     mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
     def struct(spec: P) -> jax.ShapeDtypeStruct:
@@ -269,9 +384,9 @@ def test_a_max_leaf_refuses_a_param_typed_reduced_and_an_unreduced_gradient():
 
     tx = optax_accum.conditional_accumulator(optax.identity(), 2, reduction="max")
     with jax.set_mesh(mesh):
-        with pytest.raises(TypeError, match=r"params\['a'\] has reduction \"max\" but is typed"):
-            jax.eval_shape(tx.init, {"a": struct(P(None, reduced={"data"}))})
-        state = jax.eval_shape(tx.init, {"a": struct(P(None))})
-        grads = {"a": struct(P(None, unreduced={"data"}))}
+        plain = jax.eval_shape(tx.init, {"a": struct(P(None))})
         with pytest.raises(TypeError, match=r"updates\['a'\] must hold its true values"):
-            jax.eval_shape(tx.update, grads, state)
+            jax.eval_shape(tx.update, {"a": struct(P(None, unreduced={"data"}))}, plain)
+        reduced = jax.eval_shape(tx.init, {"a": struct(P(None, reduced={"data"}))})
+        with pytest.raises(TypeError, match=r"updates\['a'\] must be typed unreduced over"):
+            jax.eval_shape(tx.update, {"a": struct(P(None))}, reduced)
