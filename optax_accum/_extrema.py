@@ -105,32 +105,56 @@ def continued(store: Any, restart: jax.Array, accepted: jax.Array, gradient: jax
 
 def released(stores: list, axis_name: Any) -> list:
     """The window's values: each store's, and over `axis_name` one `pmax` (`pmin`) per
-    kind for all its leaves (XLA may pack them into one all-reduce); a store typed
-    unreduced takes one `pmax` (`pmin`) over its axes, to the plain type."""
+    kind for all its leaves (XLA may pack them into one all-reduce); stores typed
+    unreduced take one `pmax` (`pmin`) over their axes, to the plain type."""
     out = [s.values for s in stores]
+    kinds = [how(s) for s in stores]
+    if axis_name is None:
+        held = [i for i, x in enumerate(out) if _held_axes(x)]
+        reduced = across_devices([out[i] for i in held], tuple(kinds[i] for i in held))
+        for i, x in zip(held, reduced, strict=True):
+            out[i] = x
+        return out
     for kind, across in _ACROSS.items():
-        at = [i for i, s in enumerate(stores) if how(s) == kind]
-        if axis_name is not None and at:
+        at = [i for i, k in enumerate(kinds) if k == kind]
+        if at:
             for i, x in zip(at, across([out[i] for i in at], axis_name), strict=True):
-                out[i] = x
-            continue
-        groups: dict[frozenset, list[int]] = {}
-        for i in at:
-            if _held_axes(out[i]):
-                groups.setdefault(_held_axes(out[i]), []).append(i)
-        for axes, where in groups.items():
-            reduced = _across_devices(across, [out[i] for i in where], axes)
-            for i, x in zip(where, reduced, strict=True):
                 out[i] = x
     return out
 
 
-def _across_devices(across: Callable, values: list, axes: frozenset) -> list:
-    """`values`, each typed unreduced over `axes`, reduced by `across` (`lax.pmax` or
-    `lax.pmin`) over them to the plain type: one all-reduce for them all."""
-    names = _mesh_order(values[0], axes)
-    specs = (tuple(_spec(v, axes) for v in values), [_spec(v) for v in values])
-    return _by_device(lambda *xs: across(list(xs), names), values, *specs, values[0])
+def across_devices(values: list, kinds: tuple) -> list:
+    """Each of `values`, typed unreduced (each device's own), reduced over its
+    unreduced axes by its kind ("max" or "min") to the plain type: one all-reduce per
+    kind and set of axes."""
+    out = list(values)
+    groups: dict[tuple, list[int]] = {}
+    for i, (x, kind) in enumerate(zip(values, kinds, strict=True)):
+        groups.setdefault((kind, _held_axes(x)), []).append(i)
+    for (kind, axes), where in groups.items():
+        reduced = _across_devices(_ACROSS[kind], [values[i] for i in where], axes)
+        for i, x in zip(where, reduced, strict=True):
+            out[i] = x
+    return out
+
+
+def on_every_device(value: jax.Array, axes: frozenset) -> jax.Array:
+    """`value` (typed plain) typed unreduced over `axes` and whole on every device: the
+    store whose max (min) over the devices is `value` (a restored checkpoint's)."""
+    return _by_device(lambda x: x, (value,), (_spec(value),), _spec(value, axes), value)
+
+
+def leaf_kinds(tree: Any) -> list:
+    """For each leaf of `tree`, in `jax.tree.leaves` order: "max" ("min") where it is a
+    `RunningMax` (`RunningMin`)'s values, None elsewhere."""
+    out = []
+    for x in jax.tree.leaves(tree, is_leaf=_is_store):
+        out.extend([how(x)] * len(jax.tree.leaves(x)) if _is_store(x) else [None])
+    return out
+
+
+def _is_store(x: Any) -> bool:
+    return isinstance(x, RunningMax | RunningMin)
 
 
 def check(where: str, gradient: Any, store: Any) -> None:
@@ -184,6 +208,14 @@ def _mesh_order(x: Any, axes: frozenset) -> tuple:
     return tuple(a for a in names if a in axes)
 
 
+def _across_devices(across: Callable, values: list, axes: frozenset) -> list:
+    """`values`, each typed unreduced over `axes`, reduced by `across` (`lax.pmax` or
+    `lax.pmin`) over them to the plain type: one all-reduce for them all."""
+    names = _mesh_order(values[0], axes)
+    specs = (tuple(_spec(v, axes) for v in values), [_spec(v) for v in values])
+    return _by_device(lambda *xs: across(list(xs), names), values, *specs, values[0])
+
+
 def _by_device(fn: Callable, args: Any, in_specs: Any, out_specs: Any, like: jax.Array) -> Any:
     """`fn` on each device's own block of `args`: a `jax.shard_map` over `like`'s mesh
     that does not check types, the one way jax 0.10 lets a program compute anything but
@@ -200,9 +232,12 @@ __all__ = [
     "KINDS",
     "RunningMax",
     "RunningMin",
+    "across_devices",
     "check",
     "continued",
     "empty",
     "how",
+    "leaf_kinds",
+    "on_every_device",
     "released",
 ]

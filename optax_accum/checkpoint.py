@@ -17,9 +17,11 @@ again (no data moves), or unreduced with the whole sum on one device of each gro
 along the unreduced axes and zeros on the others, which is exact (the sum over the
 devices is the saved value, bit for bit). A restored run then equals the run that was
 never stopped up to the rounding of one sum: the window's all-reduce adds the same
-gradients in another order. A tree with no reduced or unreduced leaf comes back as it
-is, so the two calls cost nothing on one device, under `jax.shard_map` or `jax.pmap`,
-and on a mesh with plain types.
+gradients in another order. A running max (min) kept per device (a "max" leaf on a
+param typed reduced, `_extrema`) is saved as the max (min) over its devices and
+restored whole on every device, whose max is the saved value exactly. A tree with no
+reduced or unreduced leaf comes back as it is, so the two calls cost nothing on one
+device, under `jax.shard_map` or `jax.pmap`, and on a mesh with plain types.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _compat
+from optax_accum import _compat, _extrema
 
 
 def to_checkpoint(tree: Any) -> Any:
@@ -44,7 +46,8 @@ def to_checkpoint(tree: Any) -> Any:
     moves and nothing is copied. A leaf typed unreduced (the running sums of a state
     made from such params) comes back as its true value, the sum of the devices'
     partial sums: one all-reduce of one shard of the leaf, all leaves in one compiled
-    program, at save time only. Every other leaf is the same object, and a tree with
+    program, at save time only; the running max (min) of a "max" ("min") leaf kept
+    per device, the max (min) over the devices. Every other leaf is the same object, and a tree with
     no reduced or unreduced leaf is returned itself: on one device, under
     `jax.shard_map` or `jax.pmap`, and on a mesh with plain types, this is a no-op.
 
@@ -88,21 +91,31 @@ def to_checkpoint(tree: Any) -> Any:
       [[8.0, 8.0], [8.0, 8.0], [8.0, 8.0]]
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [x for _, x in flat]
-    out, summed = list(leaves), []
+    leaves, kinds = [x for _, x in flat], _extrema.leaf_kinds(tree)
+    out, summed, extreme = list(leaves), [], []
     for i, (path, x) in enumerate(flat):
         if isinstance(x, jax.ShapeDtypeStruct):
             out[i] = _plain_struct(f"tree{jax.tree_util.keystr(path)}", x)
         elif isinstance(x, jax.Array) and any(_compat.sum_types(x)):
-            if _compat.sum_types(x)[1] or isinstance(x, jax.core.Tracer):
+            if _compat.sum_types(x)[1] and kinds[i]:
+                extreme.append(i)  # each device's own max (min): their max (min)
+            elif _compat.sum_types(x)[1] or isinstance(x, jax.core.Tracer):
                 summed.append(i)  # summed in one program (under jit, all of them)
             else:  # reduced: the same buffers, typed plain
                 out[i] = _retyped_in_place(x, frozenset(), frozenset())
     if summed:
         for i, x in zip(summed, _plain_program([leaves[i] for i in summed]), strict=True):
             out[i] = x
-    if not summed and not any(
-        isinstance(x, jax.ShapeDtypeStruct) or any(_compat.sum_types(x)) for x in leaves
+    if extreme:
+        how = tuple(kinds[i] for i in extreme)
+        for i, x in zip(extreme, _extreme_program([leaves[i] for i in extreme], how), strict=True):
+            out[i] = x
+    if (
+        not summed
+        and not extreme
+        and not any(
+            isinstance(x, jax.ShapeDtypeStruct) or any(_compat.sum_types(x)) for x in leaves
+        )
     ):
         return tree  # nothing to retype: the tree itself
     return treedef.unflatten(out)
@@ -119,7 +132,8 @@ def from_checkpoint(saved: Any, like: Any) -> Any:
       reduced (no data moves);
     - typed unreduced in `like`: the saved value (a true sum) on one device of each
       group along the unreduced axes and zeros on the others, so that the sum over
-      the devices is the saved value exactly;
+      the devices is the saved value exactly; a running max (min) of a "max" ("min")
+      leaf, whole on every device, so that their max (min) is;
     - otherwise: the saved leaf itself when it already has `like`'s sharding (what
       Orbax restores), else placed with it (the NumPy arrays of
       `flax.serialization.from_bytes`); where `like`'s leaf has no sharding, a NumPy
@@ -166,9 +180,11 @@ def from_checkpoint(saved: Any, like: Any) -> Any:
             "saved must have like's structure (restore into the shapes of the same "
             f"transform's init on the same params): {e}"
         ) from None
-    out, pending = [], []
-    for (path, want), x in zip(flat, saved_leaves, strict=True):
+    out, pending, kinds = [], [], _extrema.leaf_kinds(like)
+    for (path, want), x, kind in zip(flat, saved_leaves, kinds, strict=True):
         value, types = _restored(jax.tree_util.keystr(path), x, want)
+        if types is not None and kind is not None:  # a max (min): whole on every device
+            value, types = _extrema.on_every_device(value, types[1]), None
         if types is not None:
             pending.append((len(out), types))
         out.append(value)
@@ -279,6 +295,7 @@ def _retype_leaves(leaves: list, types: tuple) -> list:
 
 
 _plain_program = jax.jit(_plain_leaves)
+_extreme_program = jax.jit(_extrema.across_devices, static_argnums=1)
 _retype_program = jax.jit(_retype_leaves, static_argnums=1)
 
 

@@ -253,17 +253,22 @@ def _local_extrema(x: jax.Array, mesh: jax.sharding.Mesh) -> tuple[jax.Array, ja
 def _reduced_step() -> tuple:
     """The canonical step on params typed reduced over "data" (8 devices), identity
     inside `conditional_accumulator` (2 gradients a window; "w" mean, "amax" max,
-    "amin" min): the compiled step, the state and params, the mesh."""
+    "amin" min): the compiled step (params and state donated), a function making
+    fresh params and state, the mesh."""
     mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     tx = optax_accum.conditional_accumulator(
         optax.identity(), 2, reduction={"w": "mean", "amax": "max", "amin": "min"}
     )
-    with jax.set_mesh(mesh):
-        w = jnp.asarray(np.random.default_rng(4).normal(size=(16, 4)) / 16, jnp.float32)
-        params = optax_accum.as_reduced(
-            {"w": w, "amax": jnp.zeros(16), "amin": jnp.zeros(16)}, "data"
-        )
-        state = jax.jit(tx.init)(params)
+
+    def fresh() -> tuple:
+        with jax.set_mesh(mesh):
+            w = jnp.asarray(np.random.default_rng(4).normal(size=(16, 4)) / 16, jnp.float32)
+            params = optax_accum.as_reduced(
+                {"w": w, "amax": jnp.zeros(16), "amin": jnp.zeros(16)}, "data"
+            )
+            return params, jax.jit(tx.init)(params)
+
+    params, state = fresh()
 
     def step(params, state, x):
         grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
@@ -274,11 +279,12 @@ def _reduced_step() -> tuple:
     x = jax.ShapeDtypeStruct((4 * N, 16), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
-    return compiled, params, state, mesh
+    return compiled, fresh, mesh
 
 
 def test_params_typed_reduced_keep_each_devices_max_and_release_one_max():
-    compiled, params, state, mesh = _reduced_step()
+    compiled, fresh, mesh = _reduced_step()
+    params, state = fresh()
     text = compiled.as_text()
     found = collectives(text)
     assert all(c.nbytes <= 64 for c in found if c.every_step), found  # the gate's scalars
@@ -310,6 +316,32 @@ def test_params_typed_reduced_keep_each_devices_max_and_release_one_max():
     own = np.abs(xs[2:]).reshape(2, N, 4, 16).max((0, 2))
     np.testing.assert_array_equal(kept, own)
     assert len({row.tobytes() for row in kept}) == N
+
+
+def test_a_checkpoint_saves_the_max_over_devices_and_restores_it_on_every_device():
+    """Mid-window (1 of 2 gradients in): `to_checkpoint` saves the running max and min
+    over the devices (a sum would add 8 maxima), `from_checkpoint` puts them whole on
+    every device, and the restored run releases what the uninterrupted one does."""
+    compiled, fresh, mesh = _reduced_step()
+    params, state = fresh()
+    xs = np.random.default_rng(6).normal(size=(2, 4 * N, 16)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        params, state, _ = compiled(params, state, jax.device_put(xs[0], P("data")))
+        saved = optax_accum.to_checkpoint({"params": params, "opt_state": state})
+        kept = saved["opt_state"].storage
+        np.testing.assert_array_equal(kept["amax"].values, np.abs(xs[0]).max(0))
+        np.testing.assert_array_equal(kept["amin"].values, xs[0].min(0))
+        like = jax.eval_shape(lambda: {"params": params, "opt_state": state})
+        restored = optax_accum.from_checkpoint(jax.tree.map(np.asarray, saved), like)
+        assert jax.typeof(restored["opt_state"].storage["amax"].values) == jax.typeof(
+            state.storage["amax"].values
+        )
+        x = jax.device_put(xs[1], P("data"))
+        _, _, want = compiled(params, state, x)
+        _, _, got = compiled(restored["params"], restored["opt_state"], x)
+    for k in ("amax", "amin"):
+        np.testing.assert_array_equal(got[k], want[k])
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)  # one sum, reordered
 
 
 def test_the_sparse_accumulator_on_params_typed_reduced_skips_a_devices_nan_max():
