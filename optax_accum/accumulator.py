@@ -135,8 +135,10 @@ def conditional_accumulator(
     the micro-batches' maxima and clips the largest); "min" the min. A max has no
     weights: every accepted gradient takes part in it, whatever its `weight`. Under
     `axis_name` each replica keeps its own and the release takes one max over them;
-    a held step moves nothing. Such a leaf takes dense gradients that hold their true
-    values: its param may not be typed reduced (jax 0.10's unreduced type is a sum).
+    a held step moves nothing. Such a leaf takes dense gradients; on a param typed
+    reduced, each device's own value typed unreduced (each device keeps its own max,
+    the release takes one max over them; docs/guide.md, "Quantized releases and leaves
+    that combine by max").
 
     TF counterpart: `tf.ConditionalAccumulator` (its `apply_grad`, `take_grad` and
     `set_global_step`), as used by `tf.train.SyncReplicasOptimizer`. Differences from
