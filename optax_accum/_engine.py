@@ -146,6 +146,10 @@ class Storage(NamedTuple):
         param through the release branch, so that a held step touches it not at all,
         or applies its update after the branch (a row buffer's: on a held step, padding
         rows, which touch no row of the table).
+      spent_as: `(update leaf, store) -> update leaf`, the update typed to travel in
+        the store's buffer out of the branch, where that differs from `retyped` (a
+        dense sum typed unreduced: `_unreduced.in_sum_type`, read back after the
+        branch with `_unreduced.out_of_sum_type`); None: `retyped`.
     """
 
     holds: Callable[[Any], bool]
@@ -159,6 +163,7 @@ class Storage(NamedTuple):
     held: Callable[[Any], Any]
     spendable: bool
     carries_params: bool = True
+    spent_as: Callable[[Any, Any], Any] | None = None
 
 
 def _is_slices(x: Any) -> bool:
@@ -412,6 +417,9 @@ def accumulate(
     # unreduced): made in the release, not selected after it from the inner's buffers.
     retyped = any(_unreduced.unreduced_axes(x) for x in jax.tree.leaves(storage))
     spendable = all(layout.kinds[k].spendable for k in layout.of)
+    # Released updates that travel in the stores' buffers (not applied in the branch)
+    # are typed as the stores there (unreduced), and typed like the params after it.
+    in_stores = retyped and spendable and not call.apply
     window = Window(tuple(rules.means(updates)), weight_sum, rules.axis_name)
 
     def release(inner_state: Any, storage: Any, params: Any) -> tuple:
@@ -432,13 +440,15 @@ def accumulate(
         if result.selection is not None:
             return result.selection, result.state
         out = jax.tree.leaves(result.updates, is_leaf=_is_slices)
-        out = layout.map(lambda kind, u, s: kind.retyped(u, s), out, stores)
+        out = layout.map(lambda kind, u, s: _typed(kind, in_stores)(u, s), out, stores)
         return jax.tree.unflatten(layout.treedef, out), result.state
 
     if spendable:
         branched = _branch.release_if(
             emit, release, state.inner_state, storage, params, salt=count, apply=call.apply
         )
+        if in_stores:
+            branched = branched._replace(state=_behind_barrier(branched.state))
         inner_state, storage = branched.state
         part = lambda s: (s.inner_state, s.storage)  # noqa: E731
     else:
@@ -470,8 +480,11 @@ def accumulate(
         **tallied(state, counts),
         **fields,
     )
+    updates = branched.updates
+    if in_stores:
+        updates = _out_of_stores(updates)
     return _protocol.result_of(
-        branched.updates,
+        updates,
         new_state,
         call,
         part=part,
@@ -490,6 +503,33 @@ def _per_replica(flag: jax.Array, axis_name: Any) -> jax.Array:
     _checks.require_bound_axis(axis_name)
     tracked = frozenset(n for n in names if n in _compat.varying_axes(lax.axis_index(n)))
     return _compat.make_varying(flag, tracked)
+
+
+def _typed(kind: Storage, in_stores: bool) -> Callable[[Any, Any], Any]:
+    """How `kind` types a released update: to travel in its store's buffer
+    (`in_stores`), or like its param."""
+    return kind.spent_as if in_stores and kind.spent_as is not None else kind.retyped
+
+
+def _behind_barrier(operand: tuple) -> tuple:
+    """The branch's `(inner_state, storage)` with the stores read through an
+    optimization barrier: the TPU compiler moves the copies that the partitioner puts
+    around a cast (`_unreduced.out_of_sum_type`) into the branches, which then return
+    every store twice, a params-sized tree of temporaries; it moves nothing across a
+    barrier."""
+    kept, spent = operand
+    return kept, lax.optimization_barrier(spent)
+
+
+def _out_of_stores(updates: Any) -> Any:
+    """Updates that travelled in the stores' buffers (arrays, or a `Selection` of
+    them), typed like the params again (`_unreduced.out_of_sum_type`)."""
+    if not isinstance(updates, _protocol.Selection):
+        return jax.tree.map(_unreduced.out_of_sum_type, updates)
+    take = updates.take
+    return updates._replace(
+        take=lambda state: jax.tree.map(_unreduced.out_of_sum_type, take(state))
+    )
 
 
 def _held(layout: _Layout, zeros: Any, stores: list) -> Any:

@@ -139,6 +139,7 @@ def dense_sum(accumulator_dtype: Any = None, communication_dtype: Any = None) ->
         after=_same,
         held=_same,
         spendable=True,
+        spent_as=_unreduced.in_sum_type,
     )
 
 

@@ -94,6 +94,55 @@ def like_params(updates: Any, sums: Any) -> Any:
     )
 
 
+def _reinterpreted(
+    x: jax.Array, *, reduced: frozenset, unreduced: frozenset, like: jax.Array
+) -> jax.Array:
+    """`x`'s blocks, device by device, typed reduced over `reduced` and unreduced over
+    `unreduced`, in `like`'s mesh and layout: a cast that moves nothing, whatever the
+    types say about the blocks' meaning.
+
+    JAX 0.10 has no such cast from unreduced (only the all-reduce), so it is a
+    `jax.shard_map` of the identity over the whole mesh with its vma checks off (which
+    takes unreduced values in full manual mode only): inside, each device's block is an
+    untyped array, and the out_specs type it.
+    """
+    sharding = _compat.explicit_sharding(jax.typeof(like))
+    layout = sharding.spec.partitions
+    now = _compat.sum_types(x)
+    return jax.shard_map(
+        lambda block: block,
+        mesh=sharding.mesh,
+        in_specs=jax.sharding.PartitionSpec(*layout, reduced=now[0], unreduced=now[1]),
+        out_specs=jax.sharding.PartitionSpec(*layout, reduced=reduced, unreduced=unreduced),
+        axis_names=set(sharding.mesh.axis_names),
+        check_vma=False,
+    )(x)
+
+
+def in_sum_type(update: jax.Array, total: jax.Array) -> jax.Array:
+    """A plain `update` typed as its running sum `total` (unreduced over its axes),
+    every device's block holding the whole update, so that it can travel in the sum's
+    buffer out of the release's branch (`_branch.release_if`); `update` itself when
+    `total` is not unreduced.
+
+    Typed so, the update is not the partial sums its type says: it must be read back
+    with `out_of_sum_type` only (the all-reduce of a reshard would sum the copies).
+    """
+    axes = unreduced_axes(total)
+    if not axes:
+        return update
+    return _reinterpreted(update, reduced=frozenset(), unreduced=axes, like=total)
+
+
+def out_of_sum_type(carried: jax.Array) -> jax.Array:
+    """An update that travelled in its sum's buffer (`in_sum_type`), typed reduced over
+    the axes it was unreduced over, as its param is: no data moves."""
+    axes = unreduced_axes(carried)
+    if not axes:
+        return carried
+    return _reinterpreted(carried, reduced=axes, unreduced=frozenset(), like=carried)
+
+
 def scalar_for(scalar: jax.Array, values: jax.Array) -> jax.Array:
     """A plain scalar typed to multiply `values`: reduced over the axes `values` is
     unreduced over (a partial sum times a common factor is a partial sum)."""
@@ -150,7 +199,9 @@ def check_sum_types(gradients: Any, sums: Any, *, what: str = "updates") -> None
 __all__ = [
     "check_sum_types",
     "finite",
+    "in_sum_type",
     "like_params",
+    "out_of_sum_type",
     "plain",
     "reduced_sum",
     "scalar_for",
