@@ -49,26 +49,29 @@ class SlotHints:
     def _keys(self, ids: np.ndarray) -> np.ndarray:
         return ids & (self.table.shape[0] - 1)
 
-    def slots(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
-        """The slot of each of the sorted unique `ids` in a batch whose slots hold
-        `slot_ids`, or -1 where it has none."""
-        n = slot_ids.shape[0]
-        if n == 0 or ids.shape[0] == 0 or self.table.shape[0] == 0:
-            return np.full(ids.shape, -1, np.int32)
-        hint = self.table[self._keys(ids)]
+    def find(self, ids: np.ndarray, slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the sorted unique `ids` and a batch whose slots hold `slot_ids`: a slot
+        for each (a fresh int32 vector), and where it has none (its entry there is then
+        meaningless). Few NumPy calls: this runs under the accumulator's lock, and each
+        call over a long vector hands the GIL to another thread and waits to get it back."""
+        n, table = slot_ids.shape[0], self.table
+        if n == 0 or ids.shape[0] == 0 or table.shape[0] == 0:
+            return np.zeros(ids.shape, np.int32), np.ones(ids.shape, bool)
+        hint = table[ids if ids[-1] < table.shape[0] else self._keys(ids)]
         hint = np.where(hint < n, hint, 0)
-        return np.where(slot_ids[hint] == ids, hint, -1).astype(np.int32, copy=False)
+        return hint, slot_ids[hint] != ids
 
     def remember(self, ids: np.ndarray, slots: np.ndarray, slot_ids: np.ndarray) -> None:
         """Records that sorted `ids` are in `slots` of a batch whose slots hold
         `slot_ids` (used to refill a table that grows)."""
         if ids.shape[0] == 0:
             return
-        size = min(bucket(int(ids[-1]) + 1), self.limit)
+        top = int(ids[-1])
+        size = min(bucket(top + 1), self.limit)
         if size > self.table.shape[0]:
             self.table = np.zeros(size, np.int32)
             self.table[self._keys(slot_ids)] = np.arange(slot_ids.shape[0], dtype=np.int32)
-        self.table[self._keys(ids)] = slots
+        self.table[ids if top < self.table.shape[0] else self._keys(ids)] = slots
 
     def place(
         self,
@@ -85,11 +88,12 @@ class SlotHints:
         gradient's values (`inverse` as `unique_ids` returns it). `row_weights` is None
         while no gradient of the batch had a weight (they are then the counts)."""
         n = slot_ids.shape[0]
-        slots = self.slots(unique, slot_ids)
-        new = slots < 0
-        added = int(new.sum())
-        slots[new] = np.arange(n, n + added, dtype=np.int32)
-        ids = np.concatenate([slot_ids, unique[new]])
+        slots, new = self.find(unique, slot_ids)
+        fresh = unique[new]
+        added = fresh.shape[0]
+        given = np.arange(n, n + added, dtype=np.int32)
+        slots[new] = given
+        ids = np.concatenate([slot_ids, fresh])
         counts = np.concatenate([row_counts, np.zeros(added, np.int64)])
         counts[slots] += 1
         weights = row_weights
@@ -98,7 +102,7 @@ class SlotHints:
         if weights is not None:
             weights = np.concatenate([weights, np.zeros(added, np.float32)])
             weights[slots] += np.float32(1 if weight is None else weight)  # as in jit
-        self.remember(unique[new], slots[new], ids)
+        self.remember(fresh, given, ids)
         slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
         return ids, counts, weights, slot_of
 

@@ -266,8 +266,9 @@ class SparseCore(OnDevice, Core):
 
     def _scatter(self, batch: SparseBatch, grad: _Rows) -> tuple:
         """Dispatches the kernel adding a gradient's rows to the batch's buffer, growing
-        it if they do not fit; returns the new buffer and bookkeeping, and whether it
-        waited for the batch's earlier scatters first (lock held)."""
+        it if they do not fit; returns the new buffer and bookkeeping, and whether the
+        batch's earlier scatters are done (it found them done, or waited for them when
+        too many were in flight), so that their staging buffers are free (lock held)."""
         unique, inverse, values, nnz, weight = grad
         rows, known = batch.rows, batch.slot_ids.shape[0]
         ids, counts, weights, slot_of = self.hints.place(
@@ -276,13 +277,17 @@ class SparseCore(OnDevice, Core):
         grow = rows is None or ids.shape[0] > rows.shape[0]
         target = self._buffer(ids.shape[0], values.shape[1:]) if grow else rows
         # Index vectors as long as the (bucketed) values: padding points past the end.
-        per_value = np.full(values.shape[0], target.shape[0], np.int32)
-        per_value[:nnz] = slot_of
+        per_value = slot_of
+        if nnz != values.shape[0]:
+            per_value = np.full(values.shape[0], target.shape[0], np.int32)
+            per_value[:nnz] = slot_of
         fresh = np.full(values.shape[0], target.shape[0], np.int32)
         fresh[: ids.shape[0] - known] = np.arange(known, ids.shape[0], dtype=np.int32)
         unsettled, waited = (0 if grow else batch.unsettled + 1), False
         if unsettled > _MAX_UNSETTLED:  # a few scatters in flight at most
             rows.block_until_ready()
+            unsettled, waited = 0, True
+        elif batch.in_flight and rows is not None and rows.is_ready():  # done: no wait
             unsettled, waited = 0, True
         scale = _args.kernel_weight(weight)
         if not grow:
