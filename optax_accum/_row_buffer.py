@@ -1,10 +1,12 @@
 """A sparse leaf's row buffer: where a gradient's rows go, adding them, releasing them.
 
 `sparse_conditional_accumulator` keeps a `RowBuffer` for each leaf `sparse_mask`
-chooses: up to `capacity` distinct rows in arrival order, found through a row-to-slot
-map. `offer` inserts a step's gradients (under an `axis_name`, every replica's, in
-replica order), each whole or not at all, looking their rows up without a sort;
-`release` gives the rows sorted and unique. Replicas that share the buffers first sum
+chooses: up to `capacity` distinct rows in arrival order, and their slots in order of
+their rows. `offer` inserts a step's gradients (under an `axis_name`, every replica's,
+in replica order), each whole or not at all: it sorts a gradient's ids, finds them
+among the held rows by binary search and merges the new ones into the order, so a
+step's work grows with the gradient and the buffer, never with the table; `release`
+reads the rows out sorted and unique, with no sort. Replicas that share the buffers first sum
 each gradient's duplicate ids in a fixed order (`combined`, which the dense leaves
 use too). The functions take and return `RowBuffer`s (new ones made with `_replace`).
 `docs/design.md`, "The sparse accumulator", says why it is built this way.
@@ -35,11 +37,16 @@ class RowBuffer(NamedTuple):
       size: int32, the number of slots in use (slots `0..size-1`). Slots at or beyond
         `size` hold stale data from before the last release and are never read: a
         release only resets `size`, so it costs nothing per table row.
-      slot_of: int32 `[table rows]`, the slot of each row; an entry counts only if it
-        points below `size` at a slot whose `rows` entry is that row.
+      order: int32 `[capacity]`, the slots in use ordered by the row each holds
+        (`rows[order[:size]]` ascends); the entries from `size` on are stale.
+      slot_of: int32 `[table rows]`, its shape the table's rows; no step reads or
+        writes it. (Up to optax_accum 0.1.0 it mapped each row to its slot; read on
+        every step, such a map was copied into TPU's faster memory and back on each
+        step whenever it fit there, so a step's bytes grew with the table.)
 
-    Read a held row's running sum through the map (TF keeps no such buffer: its
-    accumulator stores the gradients' rows as they come).
+    Find a held row by binary search of the rows in `order` (TF keeps no such buffer:
+    its accumulator stores the gradients' rows as they come). A gradient's new rows
+    take the next slots in the order of their ids.
 
     Example:
       >>> import jax.numpy as jnp, optax_accum
@@ -49,7 +56,8 @@ class RowBuffer(NamedTuple):
       >>> g = optax_accum.IndexedSlices(jnp.array([3, 3]), jnp.ones((2, 1)), (5, 1))
       >>> _, state = tx.update(g, state)  # row 3, twice: summed, counted once
       >>> buf = state.storage
-      >>> slot = int(buf.slot_of[3])
+      >>> held = buf.rows[buf.order[:int(buf.size)]]  # the rows, ascending
+      >>> slot = int(buf.order[jnp.searchsorted(held, 3)])
       >>> int(buf.size), int(buf.rows[slot]), float(buf.values[slot, 0]), int(buf.touches[slot])
       (1, 3, 2.0, 1)
     """
@@ -59,6 +67,7 @@ class RowBuffer(NamedTuple):
     touches: jax.Array
     weights: jax.Array
     size: jax.Array
+    order: jax.Array
     slot_of: jax.Array
 
 
@@ -72,8 +81,26 @@ def empty(param: Any, capacity: int) -> RowBuffer:
         touches=jnp.zeros((capacity,), jnp.int32),
         weights=jnp.zeros((capacity,), _sums.WEIGHT_DTYPE),
         size=_counters.int32(0),
+        order=jnp.arange(capacity, dtype=jnp.int32),
         slot_of=jnp.full((shape[0],), -1, jnp.int32),
     )
+
+
+def _num_rows(buf: RowBuffer) -> int:
+    """The table's rows (static: the shape of `slot_of`)."""
+    return buf.slot_of.shape[0]
+
+
+def upgraded(saved: Any) -> Any:
+    """A buffer restored from a checkpoint (a dict of its fields) with today's fields:
+    0.1.0's buffers found their rows through `slot_of` and kept no `order`, which is
+    made here from their rows (the held slots ordered by row: a sort of `capacity` ids,
+    at restore time only). Anything else is returned as it is."""
+    if not isinstance(saved, dict) or "order" in saved:
+        return saved
+    rows, size = np.asarray(saved["rows"]), int(np.asarray(saved["size"]))
+    held = np.where(np.arange(rows.shape[0]) < size, rows, np.iinfo(np.int32).max)
+    return saved | {"order": np.argsort(held, kind="stable").astype(np.int32)}
 
 
 # --------------------------------------------------------------------------- which leaves
@@ -136,7 +163,7 @@ def offer(
         _checks.require_bound_axis(axis_name)
     slices, out_of_range = [], jnp.int32(0)
     for buf, g in zip(buffers, grads, strict=True):
-        num_rows = buf.slot_of.shape[0]
+        num_rows = _num_rows(buf)
         out_of_range = out_of_range + _row_ids.num_out_of_range(g.indices, num_rows)
         ids = _row_ids.row_ids(g.indices, num_rows)
         # The row buffer is replicated, and so is its input: ids and rows split over a
@@ -167,7 +194,7 @@ def _gathered(
     """
     stacked = []
     for buf, (ids, values) in zip(buffers, slices, strict=True):
-        ids, sums = combined(ids, values, dtype=buf.values.dtype, num_rows=buf.slot_of.shape[0])
+        ids, sums = combined(ids, values, dtype=buf.values.dtype, num_rows=_num_rows(buf))
         stacked.append((_gather(ids, axis_name), _gather(sums.astype(values.dtype), axis_name)))
     if weight is None:
         return stacked, _gather(offered, axis_name), None
@@ -185,60 +212,86 @@ def _gather(x: jax.Array, axis_name: Any) -> jax.Array:
 
 
 class _Plan(NamedTuple):
-    """Where one gradient's rows go in a buffer, found without sorting."""
+    """Where one gradient's rows go in a buffer, found among the held rows alone."""
 
-    rows: jax.Array  # the gradient's row ids; padding (and out-of-range ids) = table rows
-    first: jax.Array  # True at exactly one occurrence of each distinct real row
-    new: jax.Array  # True at that occurrence when the row is not in the buffer yet
-    slot: jax.Array  # the slot of each occurrence's row (capacity for padding)
+    rows: jax.Array  # the gradient's row ids, sorted (padding, the table's rows, last)
+    first: jax.Array  # True at the first of each run of a real row
+    new: jax.Array  # True there when the row is not in the buffer yet
+    slot: jax.Array  # the slot of each sorted id's row (capacity for padding)
+    at: jax.Array  # how many held rows lie below each sorted id
+    rank: jax.Array  # the new rows up to each sorted id, less one: a new row's rank
+    arrived: jax.Array  # the slot of each id as the gradient gives them
     num_new: jax.Array  # how many slots the gradient would add
-    unmapped: jax.Array  # the rows not in the buffer yet (padding elsewhere)
-    before: jax.Array  # each row's map entry before this gradient (valid or stale)
-    slot_of: jax.Array  # the map, with the unmapped rows' entries used as claims
+
+
+def _held_in_order(buf: RowBuffer, num_rows: int) -> jax.Array:
+    """int32 `[capacity]`: the held rows ascending, then `num_rows` (past every id)."""
+    used = jnp.arange(buf.rows.shape[0], dtype=jnp.int32) < buf.size
+    return jnp.where(used, buf.rows.at[buf.order].get(mode="fill", fill_value=num_rows), num_rows)
+
+
+def _search(ascending: jax.Array, ids: jax.Array) -> jax.Array:
+    """int32: how many entries of `ascending` lie below each id.
+
+    A binary search unrolled over a power-of-two padding of `ascending` (no loop), each
+    step one gather and one compare, so XLA fuses the steps into a few passes.
+    """
+    n = ascending.shape[0]
+    size = 1 << max(n - 1, 0).bit_length()
+    top = jnp.iinfo(jnp.int32).max
+    padded = jnp.concatenate([ascending, jnp.full((size - n,), top, jnp.int32)])
+    below = jnp.zeros(ids.shape, jnp.int32)
+    step = size // 2
+    while step:
+        below = below + step * (padded[below + step - 1] < ids).astype(jnp.int32)
+        step //= 2
+    return below + (padded[below] < ids).astype(jnp.int32)
 
 
 def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
-    """Looks up the gradient's rows: O(nnz) gathers and scatters, no sort, no table pass.
+    """Looks the gradient's rows up among the held ones: a sort of the gradient's ids
+    and binary searches of the `capacity` held rows in order; nothing per table row.
 
     `rows` are int32 row ids, with every id outside the table already the padding id
-    (see `_row_ids.row_ids`).
-
-    A map entry is trusted only if it points below `size` at a slot holding that row,
-    so a release never has to clear the map. Duplicate ids count once: an occurrence of
-    a row already held is told apart by claiming its slot in a `capacity`-sized
-    scratch; one of a row not held yet claims the row's own (so far meaningless) map
-    entry, which `_commit` then sets to the new slot or restores. The one claim that
-    sticks picks the occurrence that counts.
+    (see `_row_ids.row_ids`). A gradient's new rows take slots in the order of their
+    ids.
     """
-    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
-    real = rows < num_rows
-    before = buf.slot_of.at[rows].get(mode="fill", fill_value=-1)
-    held = buf.rows.at[before].get(mode="fill", fill_value=-1)
-    existing = jnp.where((before >= 0) & (before < buf.size) & (held == rows), before, -1)
-    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    # Rows held: claim their slot. Rows not held: claim their map entry, as -2 - position
-    # (never a slot). The map scatter's indices depend on the lookup above, so XLA reads
-    # the old entries first and updates the map in place.
-    held_slot = jnp.where(existing >= 0, existing, capacity)
-    by_slot = jnp.full((capacity,), -1, jnp.int32).at[held_slot].set(position, mode="drop")
-    unmapped = jnp.where(real & (existing < 0), rows, num_rows)
-    slot_of = buf.slot_of.at[unmapped].set(-2 - position, mode="drop")
-    owner = jnp.where(
-        existing >= 0,
-        by_slot.at[held_slot].get(mode="fill", fill_value=-1),
-        -2 - slot_of.at[unmapped].get(mode="fill", fill_value=0),
-    )
-    first = real & (owner == position)
-    new = first & (existing < 0)
-    new_slot = buf.size + jnp.cumsum(new, dtype=jnp.int32) - 1
-    slot = jnp.where(existing >= 0, existing, new_slot.at[owner].get(mode="fill", fill_value=0))
+    num_rows, capacity = _num_rows(buf), buf.rows.shape[0]
+    ids = jnp.sort(rows)
+    held_rows = _held_in_order(buf, num_rows)
+    at = _search(held_rows, ids)
+    real = ids < num_rows
+    held = real & (held_rows.at[at].get(mode="fill", fill_value=num_rows) == ids)
+    first = real & jnp.concatenate([jnp.ones(ids.shape[:1], bool)[:1], ids[1:] != ids[:-1]])
+    new = first & ~held
+    # A run's duplicates follow its first id and are not new, so they share its rank.
+    rank = jnp.cumsum(new, dtype=jnp.int32) - 1
+    slot = jnp.where(held, buf.order.at[at].get(mode="fill", fill_value=capacity), buf.size + rank)
     slot = jnp.where(real, slot, capacity)
-    num_new = jnp.sum(new, dtype=jnp.int32)
-    return _Plan(rows, first, new, slot, num_new, unmapped, before, slot_of)
+    arrived = slot[_search(ids, rows)]  # each id's run starts where the search lands
+    return _Plan(ids, first, new, slot, at, rank, arrived, jnp.sum(new, dtype=jnp.int32))
 
 
 def _fits(buf: RowBuffer, plan: _Plan) -> jax.Array:
     return buf.size + plan.num_new <= buf.rows.shape[0]
+
+
+def _merged_order(buf: RowBuffer, plan: _Plan, take: jax.Array) -> jax.Array:
+    """`order` with the new rows merged in (when `take`): each held row moves up by the
+    number of new rows below it, each new row lands past the held rows below it and
+    the new rows before it."""
+    capacity = buf.rows.shape[0]
+    index = jnp.arange(capacity, dtype=jnp.int32)
+    below = (
+        jnp.zeros((capacity,), jnp.int32)
+        .at[jnp.where(plan.new, plan.at, capacity)]
+        .add(1, mode="drop")
+    )
+    shift = jnp.cumsum(below, dtype=jnp.int32)  # the new rows at or below each held row
+    keep = take & (index < buf.size)
+    order = buf.order.at[jnp.where(keep, index + shift, capacity)].set(buf.order, mode="drop")
+    to = jnp.where(take & plan.new, plan.at + plan.rank, capacity)
+    return order.at[to].set(plan.slot, mode="drop")
 
 
 def _commit(
@@ -255,16 +308,15 @@ def _commit(
     touches = buf.touches.at[new_slot].set(0, mode="drop")
     weights = buf.weights.at[new_slot].set(0, mode="drop")
     first = jnp.where(plan.first, slot, capacity)
-    # Every occurrence of a row writes the same entry, so the scatter is deterministic;
-    # a gradient not taken restores the claimed entries exactly as they were.
-    mapped = jnp.where(take, plan.slot, plan.before)
+    arrived = jnp.where(take, plan.arrived, capacity)  # the values come in the gradient's order
+    added = _sums.weighted(values, weight, buf.values.dtype)
     return buf._replace(
         rows=buf.rows.at[new_slot].set(plan.rows, mode="drop"),
-        values=cleared.at[slot].add(_sums.weighted(values, weight, buf.values.dtype), mode="drop"),
+        values=cleared.at[arrived].add(added, mode="drop"),
         touches=touches.at[first].add(1, mode="drop"),
         weights=weights.at[first].add(1 if weight is None else weight, mode="drop"),
         size=jnp.where(take, buf.size + plan.num_new, buf.size),
-        slot_of=plan.slot_of.at[plan.unmapped].set(mapped, mode="drop"),
+        order=_merged_order(buf, plan, take),
     )
 
 
@@ -310,12 +362,12 @@ def insert_all(
 def release(buf: RowBuffer, mean: bool, like: IndexedSlices) -> IndexedSlices:
     """The buffer's rows, sorted and unique, padded to capacity; per-row mean if `mean`.
 
-    Sorts the `capacity` row ids alone (no payload) and finds their slots in the map.
+    The rows are kept in order (`order`), so nothing is sorted here.
     """
-    num_rows, capacity = buf.slot_of.shape[0], buf.rows.shape[0]
+    num_rows, capacity = _num_rows(buf), buf.rows.shape[0]
     used = jnp.arange(capacity, dtype=jnp.int32) < buf.size
-    ids = jnp.sort(jnp.where(used, buf.rows, num_rows))
-    slots = buf.slot_of.at[ids].get(mode="fill", fill_value=capacity)
+    ids = _held_in_order(buf, num_rows)
+    slots = jnp.where(used, buf.order, capacity)
     values = buf.values.at[slots].get(mode="fill", fill_value=0)  # stale slots never read
     if mean:
         weights = buf.weights.at[slots].get(mode="fill", fill_value=1)

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _compat, _extrema
+from optax_accum import _compat, _extrema, _row_buffer
 
 
 def to_checkpoint(tree: Any) -> Any:
@@ -209,7 +209,9 @@ def upgrade_checkpoint(saved: Any, like: Any) -> Any:
     structure of `like`, a fresh state of the same transform and params (or any tree
     holding one, e.g. `{"params": ..., "opt_state": ...}`), by name: a field renamed
     since (0.1.0's `accumulator`, today's `storage`) is read under its old name. Each
-    leaf is then typed and placed as `like`'s leaf, as `from_checkpoint` does.
+    leaf is then typed and placed as `like`'s leaf, as `from_checkpoint` does. A
+    sparse leaf's row buffer from 0.1.0 (found its rows through `slot_of`) gets
+    today's `order`, its slots in order of their rows, made from its rows.
 
     Args:
       saved: the restored tree, of dicts, lists and arrays (jax or NumPy).
@@ -239,6 +241,8 @@ def upgrade_checkpoint(saved: Any, like: Any) -> Any:
 
 def _by_name(path: str, saved: Any, like: Any) -> Any:
     """`saved` in `like`'s structure, children found by name (or position)."""
+    if isinstance(like, _row_buffer.RowBuffer):  # 0.1.0's held a map of table rows
+        saved = _row_buffer.upgraded(saved)
     if isinstance(like, tuple) and hasattr(like, "_fields"):  # a NamedTuple: by field
         return type(like)(
             *(

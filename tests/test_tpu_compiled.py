@@ -242,14 +242,12 @@ def test_sparse_held_step_never_moves_the_table():
         assert (program.conditionals, program.loops) == (1, 0)
 
 
-@_xfail(
-    "TPU v5e, the table pinned row-major: 9.7 MB a step at 1M rows against 1.7 MB at "
-    "10M. At 1M rows the compiler's memory-space assignment prefetches the row "
-    "buffer's slot map (int32, one entry per table row: 4 MB) into faster memory "
-    "each step and writes it back (copy-start of s32[1000000] to memory space 1); at "
-    "10M rows the 40 MB map does not fit, and it stays put"
-)
 def test_sparse_held_step_bytes_do_not_grow_with_the_table():
+    """The held step finds the gradient's rows among the buffer's slots (`order`), so
+    nothing it reads or writes has the table's rows. (When every step looked rows up
+    in a map of one int32 per table row, the compiler's memory-space assignment copied
+    the 4 MB map of a 1M-row table into faster memory and back on each step: 9.7 MB a
+    step against 1.7 MB at 10M rows, whose 40 MB map did not fit.)"""
     small, large = (T.sparse_step(rows) for rows in (1_000_000, 10_000_000))
     # The same ops on both (the step's 256 rows, the buffer's 2,048 slots); scalars and
     # the table's shape may differ by a few bytes.
