@@ -413,8 +413,8 @@ def accumulate(
         weight_sum = state.weight_sum + added_weight
     emit = gate.passed(count >= rules.required(state.global_step))
     storage = layout.treedef.unflatten(added.stores)
-    # The inner's updates come back typed like the params (reduced where a store is
-    # unreduced): made in the release, not selected after it from the inner's buffers.
+    # The inner's updates are made in the release, not selected after it from the
+    # inner's buffers, and typed like the params (reduced where a store is unreduced).
     retyped = any(_unreduced.unreduced_axes(x) for x in jax.tree.leaves(storage))
     spendable = all(layout.kinds[k].spendable for k in layout.of)
     # Released updates that travel in the stores' buffers (not applied in the branch)

@@ -14,7 +14,9 @@ plain. Reduced values would break it (JAX has no reduced rule for `integer_pow`,
 Adam's second moment uses; a reduced value plus a plain one is a type error). Its
 updates are then typed reduced over A again (`like_params`), which moves nothing, so
 that `apply_updates(params, updates)` keeps the params' type and a donated step's
-outputs match its inputs.
+outputs match its inputs. Updates that leave the release branch in the sums' buffers
+(the canonical step) are typed as the sums there (`in_sum_type`) and reduced after it
+(`out_of_sum_type`): casts that move nothing either.
 
 Without explicit sharding, or on a jax without these types, no leaf is reduced and
 every function here returns its input.
