@@ -94,14 +94,16 @@ class SlotHints:
         given = np.arange(n, n + added, dtype=np.int32)
         slots[new] = given
         ids = np.concatenate([slot_ids, fresh])
+        # `slots` are unique: `add.at` adds as `counts[slots] += 1` would, and keeps the
+        # GIL (the fancy get and set hand it away, under the lock).
         counts = np.concatenate([row_counts, np.zeros(added, np.int64)])
-        counts[slots] += 1
+        np.add.at(counts, slots, 1)
         weights = row_weights
         if weight is not None and weights is None:  # the first weight: so far, the counts
             weights = row_counts.astype(np.float32)
         if weights is not None:
             weights = np.concatenate([weights, np.zeros(added, np.float32)])
-            weights[slots] += np.float32(1 if weight is None else weight)  # as in jit
+            np.add.at(weights, slots, np.float32(1 if weight is None else weight))  # as in jit
         self.remember(fresh, given, ids)
         slot_of = slots if inverse is None else slots[inverse.reshape(-1)]
         return ids, counts, weights, slot_of

@@ -29,7 +29,7 @@ import numpy as np
 from optax_accum import _sums
 from optax_accum.host import _args
 from optax_accum.host._core import Batch, Core, HostAccumulator, Take
-from optax_accum.host._device import OnDevice
+from optax_accum.host._device import OnDevice, aligned_empty
 from optax_accum.host._slots import SlotHints, bucket, sorted_slots, unique_ids
 from optax_accum.indexed_slices import IndexedSlices
 
@@ -149,7 +149,7 @@ class SparseBatch(Batch):
         self.row_weights: np.ndarray | None = None  # while unweighted: the counts
         self.unsettled = 0  # scatters dispatched since the last wait
         self.in_flight: tuple[np.ndarray, ...] = ()  # staging buffers scatters may still read
-        self.answer: tuple | None = None  # (indices, rows, n) once the take's gather is dispatched
+        self.answer: tuple | None = None  # (row ids, rows, n) once the take's gather is dispatched
 
 
 class SparseCore(OnDevice, Core):
@@ -351,27 +351,37 @@ class SparseCore(OnDevice, Core):
             batch.answer = self._answer(batch)
             if batch.answer[1] is not batch.rows:
                 self._recycle(batch.rows)
-        indices, taken, n = batch.answer
-        if batch.in_flight:  # the scatters that read them are done once the answer is
-            jax.block_until_ready(taken)
-            self.device.recycle(batch.in_flight)
-        if taken.shape[0] == n:
-            return indices, taken, dims
+        ids, taken, n = batch.answer
+        if taken.shape[0] == n:  # no cut
+            if batch.in_flight:  # the scatters that read them are done once the answer is
+                jax.block_until_ready(taken)
+                self.device.recycle(batch.in_flight)
+            if self.device.is_cpu:
+                return jax.device_put(ids, may_alias=True), taken, dims
+            return self.device.own(ids), taken, dims
         # Cut to the n real rows on the host: a device slice compiles once per n. On a
-        # CPU device the cut is a view of `taken`, which nothing writes again.
-        cut = np.asarray(taken)[:n]
-        values = jax.device_put(cut, may_alias=True) if self.device.is_cpu else self.device.own(cut)
-        return indices, values, dims
+        # CPU device the cut is a view of `taken`, which nothing writes again; it goes
+        # to the device with the row ids in one call (each JAX call gives the GIL away).
+        cut = np.asarray(taken)[:n]  # waits for the gather, so for the scatters
+        if batch.in_flight:
+            self.device.recycle(batch.in_flight)
+        if self.device.is_cpu:
+            indices, values = jax.device_put((ids, cut), may_alias=True)
+            return indices, values, dims
+        return self.device.own(ids), self.device.own(cut), dims
 
-    def _answer(self, batch: SparseBatch) -> tuple[jax.Array, jax.Array, int]:
-        """The sorted row ids, the rows (at least as many, dispatched), and their count."""
-        ids, order, segments = sorted_slots(batch.slot_ids)
-        n = ids.shape[0]
-        indices = self.device.own(ids.astype(np.int32))
+    def _answer(self, batch: SparseBatch) -> tuple[np.ndarray, jax.Array, int]:
+        """The sorted row ids (int32 NumPy, aligned: JAX can adopt them on a CPU device),
+        the rows (at least as many, dispatched), and their count. No JAX call but the
+        gather's: at the hand-off this runs under the lock."""
+        sorted_ids, order, segments = sorted_slots(batch.slot_ids)
+        n = sorted_ids.shape[0]
+        ids = aligned_empty((n,), np.dtype(np.int32))
+        np.copyto(ids, sorted_ids, casting="unsafe")  # row ids are checked to fit int32
         if n == 0:
-            return indices, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), 0
+            return ids, jnp.zeros((0, *batch.values_shape[1:]), self.dtype), 0
         return (
-            indices,
+            ids,
             self._gather_rows(batch.rows, order, segments, self._divisors(batch, order, segments)),
             n,
         )
