@@ -81,7 +81,9 @@ def empty(how: str, param: Any, accumulator_dtype: Any) -> Any:
     if not axes:
         return KINDS[how](identity(how, zeros))
     spec = _spec(zeros, axes)
-    return KINDS[how](_by_device(lambda z: identity(how, z), (zeros,), (spec,), spec, zeros))
+    return KINDS[how](
+        _unreduced.by_device(lambda z: identity(how, z), (zeros,), (spec,), spec, zeros)
+    )
 
 
 def continued(store: Any, restart: jax.Array, accepted: jax.Array, gradient: jax.Array) -> Any:
@@ -100,7 +102,7 @@ def continued(store: Any, restart: jax.Array, accepted: jax.Array, gradient: jax
         return type(store)(step(restart, accepted, store.values, gradient))
     spec = _spec(store.values, axes)
     args = (restart, accepted, store.values, gradient)
-    return type(store)(_by_device(step, args, (P(), P(), spec, spec), spec, store.values))
+    return type(store)(_unreduced.by_device(step, args, (P(), P(), spec, spec), spec, store.values))
 
 
 def released(stores: list, axis_name: Any) -> list:
@@ -136,12 +138,6 @@ def across_devices(values: list, kinds: tuple) -> list:
         for i, x in zip(where, reduced, strict=True):
             out[i] = x
     return out
-
-
-def on_every_device(value: jax.Array, axes: frozenset) -> jax.Array:
-    """`value` (typed plain) typed unreduced over `axes` and whole on every device: the
-    store whose max (min) over the devices is `value` (a restored checkpoint's)."""
-    return _by_device(lambda x: x, (value,), (_spec(value),), _spec(value, axes), value)
 
 
 def leaf_kinds(tree: Any) -> list:
@@ -213,19 +209,7 @@ def _across_devices(across: Callable, values: list, axes: frozenset) -> list:
     `lax.pmin`) over them to the plain type: one all-reduce for them all."""
     names = _mesh_order(values[0], axes)
     specs = (tuple(_spec(v, axes) for v in values), [_spec(v) for v in values])
-    return _by_device(lambda *xs: across(list(xs), names), values, *specs, values[0])
-
-
-def _by_device(fn: Callable, args: Any, in_specs: Any, out_specs: Any, like: jax.Array) -> Any:
-    """`fn` on each device's own block of `args`: a `jax.shard_map` over `like`'s mesh
-    that does not check types, the one way jax 0.10 lets a program compute anything but
-    a sum from values typed unreduced."""
-    mesh = _compat.explicit_sharding(jax.typeof(like)).mesh
-    placed = None if isinstance(like, jax.core.Tracer) else getattr(like, "sharding", None)
-    if isinstance(placed, jax.sharding.NamedSharding):  # eager: the concrete mesh
-        mesh = placed.mesh
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return mapped(*args)
+    return _unreduced.by_device(lambda *xs: across(list(xs), names), values, *specs, values[0])
 
 
 __all__ = [
@@ -238,6 +222,5 @@ __all__ = [
     "empty",
     "how",
     "leaf_kinds",
-    "on_every_device",
     "released",
 ]

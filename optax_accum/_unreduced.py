@@ -96,29 +96,43 @@ def like_params(updates: Any, sums: Any) -> Any:
     )
 
 
-def _reinterpreted(
+def by_device(fn: Any, args: tuple, in_specs: Any, out_specs: Any, like: jax.Array) -> Any:
+    """`fn` on each device's own blocks of `args`: a `jax.shard_map` over `like`'s whole
+    mesh with its vma checks off, the one way jax 0.10 lets a program compute anything
+    but a sum from values typed unreduced (it takes them in full manual mode only).
+    Inside, each device's block is an untyped array; `out_specs` type the results.
+    Eagerly, on the concrete mesh `like` is placed on."""
+    mesh = _compat.explicit_sharding(jax.typeof(like)).mesh
+    placed = None if isinstance(like, jax.core.Tracer) else getattr(like, "sharding", None)
+    if isinstance(placed, jax.sharding.NamedSharding):
+        mesh = placed.mesh
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=set(mesh.axis_names),
+        check_vma=False,
+    )(*args)
+
+
+def reinterpreted(
     x: jax.Array, *, reduced: frozenset, unreduced: frozenset, like: jax.Array
 ) -> jax.Array:
     """`x`'s blocks, device by device, typed reduced over `reduced` and unreduced over
     `unreduced`, in `like`'s mesh and layout: a cast that moves nothing, whatever the
-    types say about the blocks' meaning.
-
-    JAX 0.10 has no such cast from unreduced (only the all-reduce), so it is a
-    `jax.shard_map` of the identity over the whole mesh with its vma checks off (which
-    takes unreduced values in full manual mode only): inside, each device's block is an
-    untyped array, and the out_specs type it.
-    """
-    sharding = _compat.explicit_sharding(jax.typeof(like))
-    layout = sharding.spec.partitions
+    types say about the blocks' meaning (JAX 0.10 has no such cast from unreduced, only
+    the all-reduce): `by_device` of the identity."""
+    layout = _compat.explicit_sharding(jax.typeof(like)).spec.partitions
     now = _compat.sum_types(x)
-    return jax.shard_map(
+    spec = jax.sharding.PartitionSpec
+    return by_device(
         lambda block: block,
-        mesh=sharding.mesh,
-        in_specs=jax.sharding.PartitionSpec(*layout, reduced=now[0], unreduced=now[1]),
-        out_specs=jax.sharding.PartitionSpec(*layout, reduced=reduced, unreduced=unreduced),
-        axis_names=set(sharding.mesh.axis_names),
-        check_vma=False,
-    )(x)
+        (x,),
+        (spec(*layout, reduced=now[0], unreduced=now[1]),),
+        spec(*layout, reduced=reduced, unreduced=unreduced),
+        like,
+    )
 
 
 def in_sum_type(update: jax.Array, total: jax.Array) -> jax.Array:
@@ -133,7 +147,7 @@ def in_sum_type(update: jax.Array, total: jax.Array) -> jax.Array:
     axes = unreduced_axes(total)
     if not axes:
         return update
-    return _reinterpreted(update, reduced=frozenset(), unreduced=axes, like=total)
+    return reinterpreted(update, reduced=frozenset(), unreduced=axes, like=total)
 
 
 def out_of_sum_type(carried: jax.Array) -> jax.Array:
@@ -142,7 +156,7 @@ def out_of_sum_type(carried: jax.Array) -> jax.Array:
     axes = unreduced_axes(carried)
     if not axes:
         return carried
-    return _reinterpreted(carried, reduced=axes, unreduced=frozenset(), like=carried)
+    return reinterpreted(carried, reduced=axes, unreduced=frozenset(), like=carried)
 
 
 def scalar_for(scalar: jax.Array, values: jax.Array) -> jax.Array:
@@ -199,6 +213,7 @@ def check_sum_types(gradients: Any, sums: Any, *, what: str = "updates") -> None
 
 
 __all__ = [
+    "by_device",
     "check_sum_types",
     "finite",
     "in_sum_type",
@@ -206,6 +221,7 @@ __all__ = [
     "out_of_sum_type",
     "plain",
     "reduced_sum",
+    "reinterpreted",
     "scalar_for",
     "sum_zeros",
     "unreduced_axes",

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _compat, _extrema, _row_buffer
+from optax_accum import _compat, _extrema, _row_buffer, _unreduced
 
 
 def to_checkpoint(tree: Any) -> Any:
@@ -184,7 +184,8 @@ def from_checkpoint(saved: Any, like: Any) -> Any:
     for (path, want), x, kind in zip(flat, saved_leaves, kinds, strict=True):
         value, types = _restored(jax.tree_util.keystr(path), x, want)
         if types is not None and kind is not None:  # a max (min): whole on every device
-            value, types = _extrema.on_every_device(value, types[1]), None
+            whole = {"reduced": frozenset(), "unreduced": types[1], "like": value}
+            value, types = _unreduced.reinterpreted(value, **whole), None
         if types is not None:
             pending.append((len(out), types))
         out.append(value)
