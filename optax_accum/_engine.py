@@ -303,6 +303,30 @@ class Rules(NamedTuple):
     skip_rule: Callable[..., Any] | None
     kinds: tuple[Storage, ...]
 
+    @classmethod
+    def checked(
+        cls,
+        *,
+        inner: Any,
+        num_required: Any,
+        means: Callable[[Any], tuple[bool, ...]],
+        axis_name: Any,
+        skip_nonfinite: Any,
+        should_skip_update_fn: Any,
+        kinds: tuple[Storage, ...],
+    ) -> Rules:
+        """The rules from a transform's public arguments, each checked (a bad one raises
+        naming it)."""
+        return cls(
+            inner=_checks.require_transformation("inner", inner),
+            required=_counters.num_required_fn(num_required),
+            means=means,
+            axis_name=_checks.require_axis_name("axis_name", axis_name),
+            skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
+            skip_rule=_checks.require_skip_rule(should_skip_update_fn),
+            kinds=kinds,
+        )
+
 
 def init(rules: Rules, state_type: type, params: Any, kind_of: Callable[..., Storage], *more: Any):
     """The fresh state of an accumulating transform: its counters zero, a store per

@@ -237,13 +237,13 @@ def conditional_accumulator(
         acc_dtype, _wire.wire_dtype("communication_dtype", communication_dtype)
     )
     extrema = {how: _storages.extremum(how, acc_dtype) for how in _reductions.EXTREMA}
-    rules = _engine.Rules(
-        inner=_checks.require_transformation("inner", inner),
-        required=_counters.num_required_fn(num_required),
+    rules = _engine.Rules.checked(
+        inner=inner,
+        num_required=num_required,
         means=reductions.means(),
-        axis_name=_checks.require_axis_name("axis_name", axis_name),
-        skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
-        skip_rule=_checks.require_skip_rule(should_skip_update_fn),
+        axis_name=axis_name,
+        skip_nonfinite=skip_nonfinite,
+        should_skip_update_fn=should_skip_update_fn,
         kinds=(sums, *extrema.values()),
     )
 

@@ -92,33 +92,42 @@ def to_checkpoint(tree: Any) -> Any:
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves, kinds = [x for _, x in flat], _extrema.leaf_kinds(tree)
-    out, summed, extreme = list(leaves), [], []
-    for i, (path, x) in enumerate(flat):
-        if isinstance(x, jax.ShapeDtypeStruct):
+    ways = [_way_saved(x, kind) for x, kind in zip(leaves, kinds, strict=True)]
+    if not any(ways):
+        return tree  # nothing to retype: the tree itself
+    out = list(leaves)
+    for i, ((path, x), way) in enumerate(zip(flat, ways, strict=True)):
+        if way == "abstract":
             out[i] = _plain_struct(f"tree{jax.tree_util.keystr(path)}", x)
-        elif isinstance(x, jax.Array) and any(_compat.sum_types(x)):
-            if _compat.sum_types(x)[1] and kinds[i]:
-                extreme.append(i)  # each device's own max (min): their max (min)
-            elif _compat.sum_types(x)[1] or isinstance(x, jax.core.Tracer):
-                summed.append(i)  # summed in one program (under jit, all of them)
-            else:  # reduced: the same buffers, typed plain
-                out[i] = _retyped_in_place(x, frozenset(), frozenset())
+        elif way == "in place":
+            out[i] = _retyped_in_place(x, frozenset(), frozenset())
+    summed = [i for i, way in enumerate(ways) if way == "summed"]
     if summed:
         for i, x in zip(summed, _plain_program([leaves[i] for i in summed]), strict=True):
             out[i] = x
+    extreme = [i for i, way in enumerate(ways) if way == "extreme"]
     if extreme:
         how = tuple(kinds[i] for i in extreme)
         for i, x in zip(extreme, _extreme_program([leaves[i] for i in extreme], how), strict=True):
             out[i] = x
-    if (
-        not summed
-        and not extreme
-        and not any(
-            isinstance(x, jax.ShapeDtypeStruct) or any(_compat.sum_types(x)) for x in leaves
-        )
-    ):
-        return tree  # nothing to retype: the tree itself
     return treedef.unflatten(out)
+
+
+def _way_saved(x: Any, kind: str | None) -> str | None:
+    """How `to_checkpoint` types a leaf plain: "abstract" (a `jax.ShapeDtypeStruct`),
+    "in place" (reduced: the same buffers), "summed" (unreduced partial sums, or a
+    traced leaf typed either way: in one program), "extreme" (a running max or min
+    kept per device, `kind`: its max or min over them), or None (as it is)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return "abstract"
+    if not isinstance(x, jax.Array):
+        return None
+    reduced, unreduced = _compat.sum_types(x)
+    if unreduced and kind:
+        return "extreme"
+    if unreduced or (reduced and isinstance(x, jax.core.Tracer)):
+        return "summed"
+    return "in place" if reduced else None
 
 
 def from_checkpoint(saved: Any, like: Any) -> Any:

@@ -247,13 +247,13 @@ def sparse_conditional_accumulator(
     reductions = _reductions.Reduction.of(reduction)
     buffers, dense = _storages.row_buffer(capacity), _storages.dense_rows(wire)
     extrema = {how: _storages.extremum(how) for how in _reductions.EXTREMA}
-    rules = _engine.Rules(
-        inner=_checks.require_transformation("inner", inner),
-        required=_counters.num_required_fn(num_required),
+    rules = _engine.Rules.checked(
+        inner=inner,
+        num_required=num_required,
         means=reductions.means(),
-        axis_name=_checks.require_axis_name("axis_name", axis_name),
-        skip_nonfinite=_checks.require_bool("skip_nonfinite", skip_nonfinite),
-        skip_rule=_checks.require_skip_rule(should_skip_update_fn),
+        axis_name=axis_name,
+        skip_nonfinite=skip_nonfinite,
+        should_skip_update_fn=should_skip_update_fn,
         # Row buffers first: they may refuse a gradient (overflow), which the dense
         # leaves then do not add.
         kinds=(buffers, dense, *extrema.values()),
