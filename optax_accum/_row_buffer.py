@@ -248,6 +248,25 @@ def _search(ascending: jax.Array, ids: jax.Array) -> jax.Array:
     return below + (padded[below] < ids).astype(jnp.int32)
 
 
+_GROUP = 16
+
+
+def _running_sum(x: jax.Array) -> jax.Array:
+    """The running sum of a 1-D int32 array: running sums within groups of 16 (adds
+    that XLA fuses), then of the groups' totals, added back. XLA:CPU runs this several
+    times faster than `jnp.cumsum`, which it lowers to reduce-windows."""
+    n = x.shape[0]
+    if n <= _GROUP:
+        return jnp.cumsum(x, dtype=jnp.int32)
+    groups = jnp.pad(x, (0, -n % _GROUP)).reshape(-1, _GROUP)
+    columns = [groups[:, 0]]
+    for j in range(1, _GROUP):
+        columns.append(columns[-1] + groups[:, j])
+    within = jnp.stack(columns, axis=1)
+    totals = within[:, -1]
+    return (within + (_running_sum(totals) - totals)[:, None]).reshape(-1)[:n]
+
+
 def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
     """Looks the gradient's rows up among the held ones: a sort of the gradient's ids
     and binary searches of the `capacity` held rows in order; nothing per table row.
@@ -265,7 +284,7 @@ def _plan(buf: RowBuffer, rows: jax.Array) -> _Plan:
     first = real & jnp.concatenate([jnp.ones(ids.shape[:1], bool)[:1], ids[1:] != ids[:-1]])
     new = first & ~held
     # A run's duplicates follow its first id and are not new, so they share its rank.
-    rank = jnp.cumsum(new, dtype=jnp.int32) - 1
+    rank = _running_sum(new.astype(jnp.int32)) - 1
     slot = jnp.where(held, buf.order.at[at].get(mode="fill", fill_value=capacity), buf.size + rank)
     slot = jnp.where(real, slot, capacity)
     arrived = slot[_search(ids, rows)]  # each id's run starts where the search lands
@@ -287,7 +306,7 @@ def _merged_order(buf: RowBuffer, plan: _Plan, take: jax.Array) -> jax.Array:
         .at[jnp.where(plan.new, plan.at, capacity)]
         .add(1, mode="drop")
     )
-    shift = jnp.cumsum(below, dtype=jnp.int32)  # the new rows at or below each held row
+    shift = _running_sum(below)  # the new rows at or below each held row
     keep = take & (index < buf.size)
     order = buf.order.at[jnp.where(keep, index + shift, capacity)].set(buf.order, mode="drop")
     to = jnp.where(take & plan.new, plan.at + plan.rank, capacity)
