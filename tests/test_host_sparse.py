@@ -562,3 +562,43 @@ def test_a_row_in_two_slots_is_merged_by_the_take():
     indices, values, _ = take(acc, 3)
     assert indices == [3, 5]
     np.testing.assert_array_equal(values, [[4], [3]])  # (1 + 7) / 2, (2 + 4) / 2
+
+
+@pytest.mark.parametrize("reduction", ["MEAN", "SUM"])
+def test_distinct_and_repeated_row_ids_add_bit_for_bit_alike(reduction):
+    """A gradient with distinct row ids is added by reading, adding and writing back its
+    rows; one with a repeated id by zeroing new slots and scatter-adding. Both must give
+    the same answers bit for bit: float32 sums in arrival order (a new row is 0 + v, so
+    -0.0 becomes 0.0), divided alike."""
+    rng = np.random.default_rng(7)
+    grads = []
+    for i in range(3):
+        ids = np.sort(rng.choice(40, 12, replace=False))
+        values = (rng.standard_normal((12, 3)) * 1e3).astype(np.float32)
+        if i:  # the first may become the buffer as it is (no add: -0.0 stays)
+            values[0] = -0.0
+        grads.append((ids, values))
+    sums = {}
+    for ids, values in grads:  # the reference: one float32 add at a time
+        for i, v in zip(ids.tolist(), values, strict=True):
+            sums[i] = sums.get(i, np.zeros(3, np.float32)) + v
+    keys = sorted(sums)
+    answers = []
+    for repeat in (False, True):
+        acc = optax_accum.SparseConditionalAccumulator(
+            np.float32, shape=(40, 3), reduction_type=reduction
+        )
+        for step in range(2):  # into a fresh buffer, then into the taken batch's spare
+            for ids, values in grads:
+                if repeat:  # the same dense gradient: row ids[1] again, with zeros
+                    ids = np.concatenate([ids, ids[1:2]])
+                    values = np.concatenate([values, np.zeros((1, 3), np.float32)])
+                acc.apply_grad(ids, values, local_step=step)
+            indices, values, _ = take(acc, len(grads))
+            assert indices == keys
+            answers.append(values.view(np.uint32))
+    for answer in answers[1:]:
+        np.testing.assert_array_equal(answer, answers[0])
+    if reduction == "SUM":
+        want = np.stack([sums[k] for k in keys])
+        np.testing.assert_array_equal(answers[0], want.view(np.uint32))
