@@ -560,6 +560,43 @@ def test_update_does_no_table_sized_work():
     assert f"f32[{rows}," not in hlo
 
 
+def test_ids_too_many_to_pack_take_the_same_slots(monkeypatch):
+    """A gradient's ids sort packed with their positions into one uint32 key when
+    `(table rows + 1) * nnz` fits; otherwise they sort alone and a second search finds
+    each one's run. Both paths give the same buffer and release, bit for bit: a
+    duplicate id, one outside the table (the padding id by then), a row held from an
+    earlier gradient, and a gradient refused for overflow."""
+    from optax_accum import _row_buffer
+
+    ids = jnp.asarray(
+        [[3, 7, 3, 12, 3], [7, 12, 2, 0, 7], [1, 5, 6, 9, 10], [9, 9, 3, 7, 0]], jnp.int32
+    )  # the third adds 5 rows to 4: more than the 8 slots, refused
+    values = jnp.asarray(
+        [[1, 2, 4, 8, 0.5], [16, 32, 64, 0.5, 1], [1] * 5, [0.25, 0.125, 2, 3, 1]]
+    )[..., None]
+
+    def run(ids, values):
+        buf = _row_buffer.empty(jnp.zeros((12, 1)), 8)
+        taken = []
+        for i in range(4):
+            (buf,), took, _ = _row_buffer.insert_all(
+                [buf], [(ids[i : i + 1], values[i : i + 1])], jnp.ones(1, bool), None
+            )
+            taken.append(took[0])
+        like = IndexedSlices(ids[0], values[0], (12, 1))
+        return buf, _row_buffer.release(buf, True, like), jnp.stack(taken)
+
+    packed = jax.jit(run)(ids, values)
+    monkeypatch.setattr(_row_buffer, "_PACKED", 0)
+    unpacked = jax.jit(run)(ids, values)
+    np.testing.assert_array_equal(packed[2], [True, True, False, True])
+    got_ids, got = _rows(packed[1])  # each row's mean over the gradients touching it
+    assert got_ids == [0, 2, 3, 7, 9]
+    sums = np.asarray([1.5, 64, 7.5, 22, 0.375], np.float32)
+    np.testing.assert_array_equal(got[:, 0], sums / np.asarray([2, 1, 2, 3, 1], np.float32))
+    jax.tree.map(np.testing.assert_array_equal, packed, unpacked)
+
+
 def test_axis_name_under_pmap():
     """pmap over 2 devices: replica r offers rows 0 and r + 1 with value r + 1; row 0
     is touched twice. Up to `_row_buffer._UNROLL` (8) replicas the insertion runs the

@@ -84,8 +84,8 @@ def _programs(axis_name):
 
 
 def _buffer_sorts(ops: list[Op]) -> list[str]:
-    """Sorts of `CAPACITY` int32 row ids alone (batched over replicas under vmap)."""
-    buffer = re.compile(rf"s32\[(\d+,)?{CAPACITY}\]\S*")
+    """Sorts of `CAPACITY` 32-bit keys alone (batched over replicas under vmap)."""
+    buffer = re.compile(rf"[su]32\[(\d+,)?{CAPACITY}\]\S*")
     return [op.name for op in ops if op.opcode == "sort" and buffer.fullmatch(op.result)]
 
 
@@ -147,7 +147,7 @@ def _sorts(mlir: str, *, in_branches: bool = False) -> list[str]:
 def test_no_step_sorts_the_buffer_on_cpu_tpu_and_gpu(axis_name):
     """Each program is traced once, then compiled for this CPU and lowered for TPU and
     for GPU (one test per program set, so the tracing is not repeated per platform)."""
-    gradient = re.compile(rf"s32\[(\d+,)?({NNZ}|{NNZ * REPLICAS})\]\S*")
+    gradient = re.compile(rf"[su]32\[(\d+,)?({NNZ}|{NNZ * REPLICAS})\]\S*")
     for name, fn, args in _programs(axis_name):
         traced = fn.trace(*args)
         hlo = traced.lower().compile().as_text()
@@ -161,7 +161,7 @@ def test_no_step_sorts_the_buffer_on_cpu_tpu_and_gpu(axis_name):
             assert "stablehlo.while" not in mlir, f"{name}: a loop on {platform}"
             every = _sorts(mlir, in_branches=True)
             assert _sorts(mlir), f"{name} on {platform}: the gradient's sort is missing"
-            buffer = [t for t in every if re.search(rf"tensor<(\d+x)?{CAPACITY}xi32>", t)]
+            buffer = [t for t in every if re.search(rf"tensor<(\d+x)?{CAPACITY}xu?i32>", t)]
             assert not buffer, f"{name} on {platform}: a step sorts the buffer: {buffer}"
 
 
