@@ -4,8 +4,8 @@ TF1's `tf.sparse.SparseConditionalAccumulator` accumulates `IndexedSlices` gradi
 (an embedding table's few touched rows) and averages each row over the gradients that
 touched it. `sparse_conditional_accumulator` is that rule as a jit-able Optax
 transform with static shapes: each sparse leaf keeps at most `capacity` distinct rows,
-found through a row-to-slot map, so an update costs work in proportion to the
-gradient's rows, never to the table's size. `sparse_sgd` updates only those rows.
+found among its slots kept in row order, so an update costs work in proportion to the
+gradient's rows and the capacity, never to the table's size. `sparse_sgd` updates only those rows.
 """
 
 from __future__ import annotations
