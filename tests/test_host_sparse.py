@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import optax_accum
-from optax_accum.host import _sparse
+from optax_accum.host import _row_kernels
 
 T = 10.0
 
@@ -222,10 +222,10 @@ def test_grows_past_any_capacity():
 
 def _sparse_cache_sizes():
     kernels = (
-        _sparse._scatter_add,
-        _sparse._scatter_grow,
-        _sparse._gather_copy,
-        _sparse._merge_copy,
+        _row_kernels.scatter_add,
+        _row_kernels.scatter_grow,
+        _row_kernels.gather_copy,
+        _row_kernels.merge_copy,
     )
     return [k._cache_size() for k in kernels]
 
@@ -450,7 +450,7 @@ def test_a_take_whose_gather_fails_leaves_a_consistent_usable_accumulator(monkey
         calls.append(1)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(_sparse, "_gather_copy", failing)
+    monkeypatch.setattr(_row_kernels, "gather_copy", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.take_grad(2, timeout=T)
     assert calls and state(acc) == (1, 0, 0, 0) and acc.num_waiting_takes() == 0
@@ -469,8 +469,8 @@ def test_an_apply_whose_scatter_fails_changes_nothing(monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(_sparse, "_scatter_add", failing)
-    monkeypatch.setattr(_sparse, "_scatter_grow", failing)
+    monkeypatch.setattr(_row_kernels, "scatter_add", failing)
+    monkeypatch.setattr(_row_kernels, "scatter_grow", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         acc.apply_grad([0, 3], f32([[10, 10], [30, 30]]))
     assert state(acc) == (0, 2, 0, 0)

@@ -1,4 +1,4 @@
-"""The sparse host accumulator: `SparseConditionalAccumulator` and its device kernels.
+"""The sparse host accumulator: `SparseConditionalAccumulator` (its kernels: `_row_kernels`).
 
 Rows live on a JAX device in slots, in arrival order, in a buffer that grows by powers
 of two (no fixed capacity); the row id and count of each slot are NumPy on the host,
@@ -19,7 +19,6 @@ done: when an apply waits for them, or at the take.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -27,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _sums
-from optax_accum.host import _args
+from optax_accum.host import _args, _row_kernels
 from optax_accum.host._core import Batch, Core, HostAccumulator, Take
 from optax_accum.host._device import OnDevice, aligned_empty
 from optax_accum.host._slots import SlotHints, bucket, sorted_slots, unique_ids
@@ -39,91 +37,6 @@ _MAX_UNSETTLED = 4  # scatters in flight at most
 # threads share the GIL: a woken taker otherwise queues behind the appliers for it (a
 # mean of 1-3 ms under 4 applying threads), and takes per second hinge on that taker.
 _YIELD_TO_TAKER = 0.002
-
-
-# --------------------------------------------------------------------------- kernels
-# Module-level jits: every accumulator shares their compilation caches.
-
-
-def _fill(
-    rows: jax.Array,
-    known: jax.Array,
-    slots: jax.Array,
-    values: jax.Array,
-    weight: jax.Array | None,
-    distinct: bool,
-) -> jax.Array:
-    """Adds `weight * values[i]` (None: 1) to `rows[slots[i]]`, the slots from `known`
-    on zeroed first (newly assigned: unused slots may hold anything); slots out of
-    range are padding, dropped.
-
-    With `distinct` slots (static: no row id repeats in the gradient, which has no
-    weight) the rows are read, zeroed where new, added to and written back: one pass
-    over the rows fewer than zeroing and then adding (about 40% less CPU on XLA:CPU),
-    with the same sums (`0 + v`, `r + v`). Repeated slots must add in turn, and a
-    weight's product must stay out of the add: fused into `r + w * v`, XLA:CPU would
-    round once, not twice."""
-    fresh = slots >= known
-    if distinct:
-        current = rows.at[slots].get(mode="fill", fill_value=0)
-        new = fresh.reshape((-1,) + (1,) * (values.ndim - 1))
-        current = jnp.where(new, jnp.zeros((), rows.dtype), current)
-        return rows.at[slots].set(current + values.astype(rows.dtype), mode="drop")
-    fresh_slots = jnp.where(fresh, slots, rows.shape[0])  # the others: past the end
-    rows = rows.at[fresh_slots].set(jnp.zeros((), rows.dtype), mode="drop")
-    return rows.at[slots].add(_sums.weighted(values, weight, rows.dtype), mode="drop")
-
-
-_scatter_add = jax.jit(_fill, donate_argnums=0, static_argnames="distinct")
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="distinct")
-def _scatter_grow(
-    spare: jax.Array,
-    rows: jax.Array,
-    known: jax.Array,
-    slots: jax.Array,
-    values: jax.Array,
-    weight: jax.Array | None,
-    distinct: bool,
-) -> jax.Array:
-    """`_scatter_add` into `spare`, a buffer with more slots, after copying `rows` in."""
-    spare = jax.lax.dynamic_update_slice_in_dim(spare, rows.astype(spare.dtype), 0, axis=0)
-    return _fill(spare, known, slots, values, weight, distinct)
-
-
-def _divide(taken: jax.Array, counts: jax.Array, mean: bool, dtype: Any) -> jax.Array:
-    """`taken` with each row divided by its divisor under MEAN: its count, or the sum of
-    its weights (padding divisors are 1)."""
-    if mean:
-        taken = taken / counts.astype(taken.dtype).reshape((-1,) + (1,) * (taken.ndim - 1))
-    return taken.astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("mean", "dtype"))
-def _gather_copy(
-    rows: jax.Array, order: jax.Array, counts: jax.Array, *, mean: bool, dtype: Any
-) -> jax.Array:
-    """`rows[order]`, each divided by its count under MEAN."""
-    return _divide(rows[order], counts, mean, dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("mean", "dtype"))
-def _merge_copy(
-    rows: jax.Array,
-    order: jax.Array,
-    segments: jax.Array,
-    counts: jax.Array,
-    *,
-    mean: bool,
-    dtype: Any,
-) -> jax.Array:
-    """`_gather_copy` where several slots hold one row: `rows[order[i]]` added into
-    output row `segments[i]` (sorted; out of range is padding, dropped)."""
-    summed = jax.ops.segment_sum(
-        rows[order], segments, num_segments=order.shape[0], indices_are_sorted=True
-    )
-    return _divide(summed, counts, mean, dtype)
 
 
 # --------------------------------------------------------------------------- state
@@ -317,11 +230,11 @@ class SparseCore(OnDevice, Core):
         # Distinct slots: no repeated row id (a kernel for each case at most, per bucket).
         distinct = scale is None and unique.shape[0] == nnz
         if not grow:
-            out = _scatter_add(rows, *args, distinct=distinct)
+            out = _row_kernels.scatter_add(rows, *args, distinct=distinct)
         elif rows is None:
-            out = _scatter_add(target, *args, distinct=distinct)
+            out = _row_kernels.scatter_add(target, *args, distinct=distinct)
         else:
-            out = _scatter_grow(target, rows, *args, distinct=distinct)
+            out = _row_kernels.scatter_grow(target, rows, *args, distinct=distinct)
         return out, ids, counts, weights, unsettled, waited
 
     def _buffer(self, n: int, row_shape: tuple[int, ...]) -> jax.Array:
@@ -451,11 +364,13 @@ class SparseCore(OnDevice, Core):
         padded_counts[: counts.shape[0]] = counts
         how = {"mean": self.mean, "dtype": self.dtype}
         if segments is None:
-            taken = _gather_copy(rows, padded_order, padded_counts, **how)
+            taken = _row_kernels.gather_copy(rows, padded_order, padded_counts, **how)
         else:
             padded_segments = np.full(size, size, np.int32)  # padding: dropped
             padded_segments[:n] = segments
-            taken = _merge_copy(rows, padded_order, padded_segments, padded_counts, **how)
+            taken = _row_kernels.merge_copy(
+                rows, padded_order, padded_segments, padded_counts, **how
+            )
         return taken
 
 
