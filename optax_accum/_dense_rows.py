@@ -28,8 +28,10 @@ class DenseRows(NamedTuple):
     TF counterpart: the running sum of `tf.ConditionalAccumulator`, with a count per row
     for the per-row mean of `tf.sparse.SparseConditionalAccumulator`.
 
-    A release spends all three: while the state's `emitted` is True they still hold
-    the last window's values, and the next `update` starts from zeros.
+    A release spends all three: while the state's `emitted` is True they hold no
+    meaningful values (the counts the last window's; the values its sums or, where
+    every leaf is dense, the released updates, which travel out of the release in
+    their buffers), and the next `update` starts from zeros.
 
     Attributes:
       values: the sum of the accepted gradients, shaped like the param, in the

@@ -150,6 +150,10 @@ class Storage(NamedTuple):
         the store's buffer out of the branch, where that differs from `retyped` (a
         dense sum typed unreduced: `_unreduced.in_sum_type`, read back after the
         branch with `_unreduced.out_of_sum_type`); None: `retyped`.
+      spent_in: for a spendable kind whose store holds more than the array its update
+        travels in, `store -> (array, put)`: that array, and `put(other) -> store`, the
+        store with `other` in its place (a dense leaf's values, beside its per-row
+        counts, which the release reads and keeps); None: the store is that array.
     """
 
     holds: Callable[[Any], bool]
@@ -164,6 +168,7 @@ class Storage(NamedTuple):
     spendable: bool
     carries_params: bool = True
     spent_as: Callable[[Any, Any], Any] | None = None
+    spent_in: Callable[[Any], tuple[Any, Callable[[Any], Any]]] | None = None
 
 
 def _is_slices(x: Any) -> bool:
@@ -468,13 +473,21 @@ def accumulate(
         return jax.tree.unflatten(layout.treedef, out), result.state
 
     if spendable:
+        spent, put = _spent(layout, storage)
         branched = _branch.release_if(
-            emit, release, state.inner_state, storage, params, salt=count, apply=call.apply
+            emit,
+            lambda kept, spent, params: release(kept, put(spent), params),
+            state.inner_state,
+            spent,
+            params,
+            salt=count,
+            apply=call.apply,
         )
         if in_stores:
             branched = branched._replace(state=_behind_barrier(branched.state))
-        inner_state, storage = branched.state
-        part = lambda s: (s.inner_state, s.storage)  # noqa: E731
+        inner_state, spent = branched.state
+        storage = put(spent)
+        part = lambda s: (s.inner_state, _spent(layout, s.storage)[0])  # noqa: E731
     else:
         branched = _branch.update_if(
             emit,
@@ -527,6 +540,22 @@ def _per_replica(flag: jax.Array, axis_name: Any) -> jax.Array:
     _checks.require_bound_axis(axis_name)
     tracked = frozenset(n for n in names if n in _compat.varying_axes(lax.axis_index(n)))
     return _compat.make_varying(flag, tracked)
+
+
+def _spent(layout: _Layout, storage: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """The arrays whose buffers a release spends, one per store in the storage's tree
+    (`Storage.spent_in`), and a function that puts such arrays back in their stores."""
+    stores = layout.stores(storage)
+    parts = [
+        (s, lambda x: x) if layout.kinds[k].spent_in is None else layout.kinds[k].spent_in(s)
+        for k, s in zip(layout.of, stores, strict=True)
+    ]
+
+    def put(spent: Any) -> Any:
+        arrays = layout.stores(spent)
+        return layout.treedef.unflatten([p(a) for (_, p), a in zip(parts, arrays, strict=True)])
+
+    return layout.treedef.unflatten([a for a, _ in parts]), put
 
 
 def _typed(kind: Storage, in_stores: bool) -> Callable[[Any, Any], Any]:

@@ -7,7 +7,8 @@ Each kind is a `_engine.Storage` record of functions over its own machinery:
   lazily after a release, whose buffers may carry the released updates.
   `conditional_accumulator`'s leaves.
 - `dense_rows(communication_dtype)`: a dense leaf of `sparse_conditional_accumulator`,
-  which also counts the gradients that touched each row (`_dense_rows`).
+  which also counts the gradients that touched each row (`_dense_rows`); restarted
+  lazily, its values' buffers may carry the released updates.
 - `row_buffer(capacity)`: a sparse leaf, up to `capacity` distinct rows (`_row_buffer`).
 - `extremum(how, accumulator_dtype)`: a leaf whose reduction is "max" or "min", its
   running max (min) in a `RunningMax` (`RunningMin`), restarted lazily (`_extrema`).
@@ -184,7 +185,11 @@ def dense_rows(communication_dtype: Any = None) -> Storage:
         retyped=lambda u, s: _unreduced.like_params(u, s.values),
         after=_same,
         held=_same,
-        spendable=False,
+        # The updates travel in the values' buffers, restarted lazily as a dense sum's;
+        # the per-row counts stay as they are until the next step restarts them too.
+        spendable=True,
+        spent_as=lambda u, s: _unreduced.in_sum_type(u, s.values),
+        spent_in=lambda s: (s.values, lambda values: s._replace(values=values)),
     )
 
 
