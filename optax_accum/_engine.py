@@ -150,10 +150,8 @@ class Storage(NamedTuple):
         the store's buffer out of the branch, where that differs from `retyped` (a
         dense sum typed unreduced: `_unreduced.in_sum_type`, read back after the
         branch with `_unreduced.out_of_sum_type`); None: `retyped`.
-      spent_in: for a spendable kind whose store holds more than the array its update
-        travels in, `store -> (array, put)`: that array, and `put(other) -> store`, the
-        store with `other` in its place (a dense leaf's values, beside its per-row
-        counts, which the release reads and keeps); None: the store is that array.
+      spent_in: `store -> (array, put)`: the array whose buffer the update travels in
+        (a dense leaf's values, not its counts), `put(other) -> store`; default: itself.
     """
 
     holds: Callable[[Any], bool]
@@ -168,7 +166,7 @@ class Storage(NamedTuple):
     spendable: bool
     carries_params: bool = True
     spent_as: Callable[[Any, Any], Any] | None = None
-    spent_in: Callable[[Any], tuple[Any, Callable[[Any], Any]]] | None = None
+    spent_in: Callable[[Any], tuple[Any, Callable[[Any], Any]]] = lambda s: (s, lambda x: x)
 
 
 def _is_slices(x: Any) -> bool:
@@ -474,19 +472,13 @@ def accumulate(
 
     if spendable:
         spent, put = _spent(layout, storage)
+        spend = lambda kept, spent, params: release(kept, put(spent), params)  # noqa: E731
         branched = _branch.release_if(
-            emit,
-            lambda kept, spent, params: release(kept, put(spent), params),
-            state.inner_state,
-            spent,
-            params,
-            salt=count,
-            apply=call.apply,
+            emit, spend, state.inner_state, spent, params, salt=count, apply=call.apply
         )
         if in_stores:
             branched = branched._replace(state=_behind_barrier(branched.state))
-        inner_state, spent = branched.state
-        storage = put(spent)
+        inner_state, storage = branched.state[0], put(branched.state[1])
         part = lambda s: (s.inner_state, _spent(layout, s.storage)[0])  # noqa: E731
     else:
         branched = _branch.update_if(
@@ -543,18 +535,12 @@ def _per_replica(flag: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def _spent(layout: _Layout, storage: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """The arrays whose buffers a release spends, one per store in the storage's tree
-    (`Storage.spent_in`), and a function that puts such arrays back in their stores."""
+    """The arrays a release spends, in the storage's tree, and `put` (`Storage.spent_in`)."""
     stores = layout.stores(storage)
-    parts = [
-        (s, lambda x: x) if layout.kinds[k].spent_in is None else layout.kinds[k].spent_in(s)
-        for k, s in zip(layout.of, stores, strict=True)
-    ]
-
-    def put(spent: Any) -> Any:
-        arrays = layout.stores(spent)
-        return layout.treedef.unflatten([p(a) for (_, p), a in zip(parts, arrays, strict=True)])
-
+    parts = layout.map(lambda kind, _, store: kind.spent_in(store), stores, stores)
+    put = lambda spent: layout.treedef.unflatten(  # noqa: E731
+        [p(a) for (_, p), a in zip(parts, layout.stores(spent), strict=True)]
+    )
     return layout.treedef.unflatten([a for a, _ in parts]), put
 
 
