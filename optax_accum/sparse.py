@@ -49,8 +49,9 @@ class SparseConditionalAccumulatorState(NamedTuple):
       storage: the params' tree, holding a `RowBuffer` for each sparse leaf and a
         `DenseRows` (per replica under an `axis_name`) for each dense leaf: the
         window's running sums while `emitted` is False. A release resets each row
-        buffer's `size`; the dense leaves still hold the released window's values
-        until the next `update` starts them from zeros. A dense leaf whose `reduction`
+        buffer's `size`; the dense leaves hold no meaningful values after a release
+        (when every leaf is dense, the updates travel out in their buffers) until the
+        next `update` starts them from zeros. A dense leaf whose `reduction`
         is "max" or "min" holds a `RunningMax` or `RunningMin` of its values instead.
       inner_state: the wrapped optimizer's state.
 
