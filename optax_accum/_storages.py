@@ -281,6 +281,9 @@ def extremum(how: str, accumulator_dtype: Any = None) -> Storage:
         after=_same,
         held=_same,
         spendable=True,  # restarted lazily, as a dense sum
+        # Typed as the store, as a dense sum's updates are: the branch carries every
+        # leaf's update in its store's buffer, or none of them (`_branch._can_spend`).
+        spent_as=lambda u, s: _unreduced.in_sum_type(u, s.values),
     )
 
 

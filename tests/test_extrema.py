@@ -297,12 +297,13 @@ def test_params_typed_reduced_keep_each_devices_max_and_release_one_max():
     w = np.asarray(params["w"], np.float64)
     got = []
     with jax.set_mesh(mesh):
-        for x in xs:
+        for i, x in enumerate(xs):
             params, state, updates = compiled(params, state, jax.device_put(x, P("data")))
             got.append(jax.tree.map(np.asarray, updates))
-        kept = state.storage["amax"].values
-        assert _compat.sum_types(kept) == (frozenset(), {"data"})
-        kept = np.stack([np.asarray(s.data) for s in kept.addressable_shards])
+            if i == 2:  # mid-window (a spent store holds no meaningful values)
+                kept = state.storage["amax"].values
+                assert _compat.sum_types(kept) == (frozenset(), {"data"})
+                kept = np.stack([np.asarray(s.data) for s in kept.addressable_shards])
     for i, window in ((1, xs[:2]), (3, xs[2:])):
         x64 = window.astype(np.float64)
         np.testing.assert_array_equal(got[i]["amax"], np.abs(x64).max((0, 1)))
@@ -312,8 +313,8 @@ def test_params_typed_reduced_keep_each_devices_max_and_release_one_max():
         w = w + mean  # identity's update, applied
     assert got[1]["amax"][2] == 40.0  # the outlier survives its window
     assert not any(np.any(got[i][k]) for i in (0, 2) for k in got[i])  # held: no update
-    # Each device kept its own maxima of the last window: its 4 rows of both batches.
-    own = np.abs(xs[2:]).reshape(2, N, 4, 16).max((0, 2))
+    # Mid-window, each device keeps its own maxima: those of its 4 rows of the batch.
+    own = np.abs(xs[2]).reshape(N, 4, 16).max(1)
     np.testing.assert_array_equal(kept, own)
     assert len({row.tobytes() for row in kept}) == N
 
