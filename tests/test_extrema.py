@@ -333,7 +333,11 @@ def test_a_checkpoint_saves_the_max_over_devices_and_restores_it_on_every_device
         np.testing.assert_array_equal(kept["amax"].values, np.abs(xs[0]).max(0))
         np.testing.assert_array_equal(kept["amin"].values, xs[0].min(0))
         like = jax.eval_shape(lambda: {"params": params, "opt_state": state})
-        restored = optax_accum.from_checkpoint(jax.tree.map(np.asarray, saved), like)
+        # Through flax's bytes, as a user's checkpoint would go.
+        flax_serialization = pytest.importorskip("flax.serialization")
+        data = flax_serialization.to_bytes(saved)
+        plain = flax_serialization.from_bytes(optax_accum.to_checkpoint(like), data)
+        restored = optax_accum.from_checkpoint(plain, like)
         assert jax.typeof(restored["opt_state"].storage["amax"].values) == jax.typeof(
             state.storage["amax"].values
         )
