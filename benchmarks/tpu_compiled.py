@@ -85,6 +85,8 @@ def transform(name: str) -> optax.GradientTransformation:
     once every `EVERY` steps over the axis "data")."""
     if name == "conditional_accumulator":
         return optax_accum.conditional_accumulator(_adam(), EVERY)
+    if name == "summing_accumulator":  # conditional_accumulator releasing the sum
+        return optax_accum.conditional_accumulator(_adam(), EVERY, reduction="sum")
     if name == "sparse_conditional_accumulator":  # dense leaves (the layouts' params)
         return optax_accum.sparse_conditional_accumulator(
             _adam(), EVERY, capacity=8, sparse=lambda p: jax.tree.map(lambda _: False, p)
@@ -182,15 +184,27 @@ def _promotion(name: str) -> Any:
     )
 
 
-def _compile(fn: Callable, mesh: Any, args: tuple, donate: tuple, name: str) -> tpu.Program:
+def _compile(
+    fn: Callable, mesh: Any, args: tuple, donate: tuple, name: str, scheduler: str | None = None
+) -> tpu.Program:
+    """`fn` compiled for `mesh`'s TPU devices and read; `scheduler`: the TPU compiler's
+    memory scheduler (its `xla_memory_scheduler` option, e.g. "dfs"; None: its default)."""
+    options = {} if scheduler is None else {"xla_memory_scheduler": scheduler}
     with jax.set_mesh(mesh), _promotion(name):
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        compiled = jax.jit(fn, donate_argnums=donate, compiler_options=options)
+        compiled = compiled.lower(*args).compile()
     return tpu.read(compiled)
 
 
 @functools.cache
 def optimizer_step(
-    name: str, form: str, topology: str, size: str, reduced: bool, count: int = LEAVES
+    name: str,
+    form: str,
+    topology: str,
+    size: str,
+    reduced: bool,
+    count: int = LEAVES,
+    scheduler: str | None = None,
 ) -> tpu.Program:
     """The step of `form` for transform `name`, gradients given, on one slice of
     `topology` (4 chips, a data-parallel mesh). With `reduced`, params typed reduced
@@ -198,7 +212,7 @@ def optimizer_step(
     plain params and all-reduces the gradients itself, as `jax.grad` does for plain
     params); otherwise both plain and replicated (`replicated`). `count` leaves of the
     size's shape (the tests read the collectives of programs of 2 small leaves, which
-    compile in half the time)."""
+    compile in half the time). `scheduler`: the TPU memory scheduler (`_compile`)."""
     mesh = tpu.mesh(tpu.TOPOLOGIES[topology], ("data",))
     tx = transform(name)
     ours = name != "MultiSteps"
@@ -212,7 +226,7 @@ def optimizer_step(
             grads = jax.tree.map(lambda g: jax.reshard(g, P()), grads)
         return STEPS[form](tx, params, state, grads, optax.apply_updates)
 
-    return _compile(step, mesh, (params, state, grads), (0, 1), name)
+    return _compile(step, mesh, (params, state, grads), (0, 1), name, scheduler)
 
 
 def floor(topology: str, size: str) -> tpu.Program:
