@@ -480,12 +480,13 @@ def release_if(
     apply: bool = False,
 ) -> Branched:
     """`update_if` for a release that consumes `spent` (a sum of gradients), which the
-    caller resets lazily: `fn(kept, spent, params)` returns `(updates, new_kept)`, and
-    the result's state is `(new_kept, spent_after)`, or `(kept, spent)` when `pred` does
-    not hold.
+    caller resets lazily: `fn(kept, spent, params)` returns `(updates, new_kept, left)`
+    (`left`: what the release leaves in `spent`'s buffers, `spent` itself or values it
+    wrote there), and the result's state is `(new_kept, spent_after)`, or `(kept,
+    spent)` when `pred` does not hold.
 
-    After a release `spent_after` holds no meaningful values (mostly the updates, which
-    travel in its buffers: see `_Spending`); the caller treats it as zeros from then on
+    After a release `spent_after` holds no meaningful values (`left`, or the updates,
+    which travel in its buffers: see `_Spending`); the caller treats it as zeros from then on
     (`_sums.restarted`), so no step spends a pass over it on writing zeros. The updates
     come back as a `Selection` of the returned state where they can (always, unless
     `apply`): the caller makes them, or passes the selection on.
@@ -493,7 +494,7 @@ def release_if(
 
     def whole(operand: tuple, params: Any, _: Any = ()) -> tuple:
         kept, spent = operand
-        updates, kept = fn(kept, spent, params)
+        updates, kept, spent = fn(kept, spent, params)
         if isinstance(updates, Selection):  # of `kept`, read from the operand
             updates = updates.within(lambda operand: operand[0])
         return updates, (kept, spent)

@@ -141,6 +141,7 @@ def dense_sum(accumulator_dtype: Any = None, communication_dtype: Any = None) ->
         held=_same,
         spendable=True,
         spent_as=_unreduced.in_sum_type,
+        summed=communication_dtype is None,  # else reduced in one narrow all-reduce
     )
 
 
@@ -190,6 +191,7 @@ def dense_rows(communication_dtype: Any = None) -> Storage:
         spendable=True,
         spent_as=lambda u, s: _unreduced.in_sum_type(u, s.values),
         spent_in=lambda s: (s.values, lambda values: s._replace(values=values)),
+        summed=communication_dtype is None,
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from optax_accum import _compat
 
@@ -83,6 +84,33 @@ def reduced_sum(total: jax.Array) -> jax.Array:
     if not unreduced_axes(total):
         return total
     return _compat.retyped(total, reduced=_compat.sum_types(total)[0])
+
+
+def reduced_in_place(sums: list, released: jax.Array, *, nest: bool) -> tuple[list, list]:
+    """Unreduced running sums all-reduced once, in a release's branch: `(left, totals)`,
+    `totals` as `reduced_sum` gives them and `left` what the sums' buffers hold after.
+
+    With `nest`, the all-reduces run inside a conditional of their own on `released`
+    (True wherever this runs) whose other branch returns the sums. A conditional's
+    outputs share its operands' buffers, so on TPU each all-reduce writes into its own
+    sum's buffer and the release keeps no all-reduce output of its own: `left` is the
+    totals typed as the sums, `totals` the same buffers cast to `reduced_sum`'s type
+    (nothing moves). Without `nest`, `left` is the sums and each total a new array
+    (docs/design.md, "The release's all-reduces on TPU").
+    """
+    if not nest:
+        return list(sums), [reduced_sum(s) for s in sums]
+    left = lax.cond(
+        released,
+        lambda held: [in_sum_type(reduced_sum(s), s) for s in held],
+        lambda held: list(held),
+        list(sums),
+    )
+    totals = [
+        reinterpreted(c, reduced=_compat.sum_types(s)[0], unreduced=frozenset(), like=c)
+        for c, s in zip(left, sums, strict=True)
+    ]
+    return left, totals
 
 
 def like_params(updates: Any, sums: Any) -> Any:

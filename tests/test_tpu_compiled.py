@@ -32,8 +32,11 @@ NNX is not paired with the sparse accumulator: `nnx.Optimizer` turns its nested
 NamedTuple state into `nnx.State` trees (tests/test_flax.py says so and runs that
 combination functionally).
 
-The checks that today's code fails on TPU are marked `xfail(strict=True)`, with what
-the compiled program shows: when the code is fixed they pass, and the mark must go.
+On params `as_reduced` the release keeps no all-reduce output of its own, in every
+step form and under the compiler's default, list and DFS memory schedulers alike.
+
+A check that the code fails on TPU is marked `xfail(strict=True)`, with what the
+compiled program shows, until the code is fixed (none is, today).
 """
 
 from __future__ import annotations
@@ -52,10 +55,6 @@ BIG = "268M"
 SMALL = "64K"
 SMALL_LEAVES = 2  # the collectives' checks: two leaves of 128 x 64
 pytestmark = pytest.mark.flax  # TrainState and NNX need Flax
-
-
-def _xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=reason)
 
 
 # --------------------------------------------------------------------------- 268M
@@ -103,13 +102,15 @@ def test_268m_as_reduced_canonical_step_keeps_no_more_than_multisteps():
 
     The released updates travel out of the branch in the sums' buffers, typed as the
     sums (unreduced) by a cast that moves nothing, and are typed like the params after
-    it (`_unreduced.in_sum_type`, `out_of_sum_type`): 134,604,800 bytes on TPU v5e
-    (the all-reduce's output, one leaf), as `apply_gradients` keeps, where MultiSteps
-    keeps 134,733,824. Made in the branch, typed reduced, they kept a params-sized tree
-    more (1,208,346,624 bytes)."""
+    it (`_unreduced.in_sum_type`, `out_of_sum_type`); each all-reduce writes into its
+    own sum's buffer (`_unreduced.reduced_in_place`): no temporaries on TPU v5e, where
+    MultiSteps keeps 134,733,824 bytes (an all-reduce's output, one leaf). Made in the
+    branch, typed reduced, the updates kept a params-sized tree more (1,208,346,624
+    bytes); the all-reduces writing outputs of their own, one leaf (134,604,800)."""
     ours = T.optimizer_step("conditional_accumulator", "canonical", "v5e", BIG, True)
     base = T.optimizer_step("MultiSteps", "canonical", "v5e", BIG, True)
     assert ours.temp_bytes <= base.temp_bytes, (ours.temp_bytes, base.temp_bytes)
+    assert ours.temp_bytes == 0, ours.temp_bytes
 
 
 # --------------------------------------------------------------------------- one reduction
@@ -258,62 +259,49 @@ def test_sparse_held_step_bytes_do_not_grow_with_the_table():
     assert (small.conditionals, large.conditionals) == (1, 1)
 
 
-@pytest.mark.parametrize(
-    "reduced",
-    [
-        pytest.param(False, id="replicated"),
-        pytest.param(
-            True,
-            id="as_reduced",
-            marks=_xfail(
-                "1,074,776,064 bytes of temporaries against MultiSteps' 134,733,824: the "
-                "TPU compiler's default memory scheduler takes its list schedule, which "
-                "runs every leaf's all-reduce (a 128 MiB output each) before the first "
-                "leaf's Adam fusion; its DFS schedule runs them a leaf at a time "
-                "(test_the_dfs_memory_scheduler_keeps_one_leafs_all_reduce)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("reduced", [False, True], ids=["replicated", "as_reduced"])
 def test_268m_sparse_accumulator_canonical_step_keeps_no_more_than_multisteps(reduced):
     """The sparse accumulator whose leaves are all dense (`DenseRows`), in the
     canonical step: its released updates travel out of the branch in the values'
     buffers (restarted lazily, as a dense sum's), so the step keeps no params-sized
     tree of updates of its own. Before, the branch returned the updates in new buffers
     (and a held step zeros in them): 1,074,777,088 bytes of temporaries replicated,
-    3,088,058,368 on params `as_reduced`; now 936,960 replicated."""
+    3,088,058,368 on params `as_reduced`; now 936,960 replicated and 1,098,752 on
+    params `as_reduced`, where each all-reduce writes into its leaf's values (before
+    that, 1,074,776,064: every leaf's all-reduce output at once)."""
     ours = T.optimizer_step("sparse_conditional_accumulator", "canonical", "v5e", BIG, reduced)
     base = T.optimizer_step("MultiSteps", "canonical", "v5e", BIG, reduced)
     assert (ours.conditionals, ours.loops) == (1, 0), (ours.conditionals, ours.loops)
     assert ours.temp_bytes <= base.temp_bytes, (ours.temp_bytes, base.temp_bytes)
 
 
-@_xfail(
-    "268,628,992 bytes of temporaries at 2 leaves against MultiSteps' 134,346,752 "
-    "(1,074,128,896 at 8 leaves, every step form, v5e and v4): the TPU compiler's "
-    "default memory scheduler takes its list schedule, every all-reduce before the "
-    "first Adam fusion; with the mean, its DFS schedule wins by a few bytes"
+@pytest.mark.parametrize(
+    ("name", "form", "scheduler"),
+    [
+        ("conditional_accumulator", "apply_gradients", None),
+        ("summing_accumulator", "canonical", None),
+        ("summing_accumulator", "TrainState", None),
+        ("sparse_conditional_accumulator", "apply_gradients", None),
+        ("sparse_conditional_accumulator", "canonical", "list"),
+        ("conditional_accumulator", "apply_gradients", "dfs"),
+    ],
 )
-def test_268m_summing_accumulator_canonical_step_keeps_no_more_than_multisteps():
-    """`conditional_accumulator(reduction="sum")` on params `as_reduced`: the release is
-    the mean's without the division, and meets the same scheduler choice as the sparse
-    accumulator's dense leaves (docs/design.md, "The release's order on TPU")."""
-    ours = T.optimizer_step("summing_accumulator", "canonical", "v5e", BIG, True, 2)
-    base = T.optimizer_step("MultiSteps", "canonical", "v5e", BIG, True, 2)
-    assert ours.temp_bytes <= base.temp_bytes, (ours.temp_bytes, base.temp_bytes)
+def test_as_reduced_release_keeps_no_all_reduce_output(name, form, scheduler):
+    """On params `as_reduced`, 2 leaves of 4096 x 8192 (128 MiB each), whatever the
+    TPU compiler's memory scheduler (`scheduler`: its default, or its list or DFS
+    one): the release keeps no all-reduce output, each leaf's all-reduce writing into
+    the sum's buffer (`_unreduced.reduced_in_place`; with `apply_gradients`, the
+    buffer then cleared after the inner optimizer reads it: `_engine._cleared`).
 
-
-@pytest.mark.parametrize("name", ["sparse_conditional_accumulator", "summing_accumulator"])
-def test_the_dfs_memory_scheduler_keeps_one_leafs_all_reduce(name):
-    """The two releases above, compiled with the TPU compiler's DFS memory scheduler
-    (`jax.jit(..., compiler_options={"xla_memory_scheduler": "dfs"})`, the workaround
-    docs/guide.md gives): each leaf's all-reduce is followed by its Adam fusion, and
-    the temporaries are within 1% of MultiSteps' (2 leaves: 134,604,800 and 134,379,008
-    bytes against 134,346,752; with the default scheduler 268,742,144 and 268,628,992).
-    MultiSteps keeps the same bytes under either scheduler."""
-    ours = T.optimizer_step(name, "canonical", "v5e", BIG, True, 2, "dfs")
-    base = T.optimizer_step("MultiSteps", "canonical", "v5e", BIG, True, 2)
-    assert ours.temp_bytes <= 1.01 * base.temp_bytes, (ours.temp_bytes, base.temp_bytes)
+    Before, each all-reduce wrote an output of its own, and the default scheduler
+    (its list schedule) ran them all before the first Adam fusion unless a scalar
+    divisor tipped it to its DFS schedule: the mean kept one leaf (134,411,264 bytes),
+    the sum and the sparse accumulator's per-row mean every leaf (268,628,992 and
+    268,742,144)."""
+    ours = T.optimizer_step(name, form, "v5e", BIG, True, 2, scheduler)
+    leaf = T.tree_bytes(BIG, 1)
+    assert ours.temp_bytes <= leaf // 64, (ours.temp_bytes, leaf)
+    assert (ours.conditionals, ours.loops) == (1, 0), (ours.conditionals, ours.loops)
 
 
 def test_a_max_leaf_keeps_the_as_reduced_canonical_step_in_the_sums_buffers():

@@ -661,3 +661,30 @@ def test_accumulated_reads_an_unreduced_sum():
     assert all(_compat.sum_types(x)[1] == {"data"} for x in jax.tree.leaves(total))
     want = jax.tree.map(lambda g: 2 * _read(g), grads)
     _assert_close(total, want)
+
+
+def test_the_tpu_form_of_the_release_reduction_gives_the_same_totals():
+    """`_unreduced.reduced_in_place` with `nest`, the form a release takes on TPU (the
+    all-reduces in a conditional of their own, so that each writes into its sum's
+    buffer), run here on 8 CPU devices: the same totals, bit for bit, and of the same
+    types, as the all-reduces where they stand; what it leaves in the sums' buffers
+    (typed as the sums) reads back as the totals."""
+    from optax_accum import _unreduced
+
+    with jax.set_mesh(_mesh("data")):
+        params = _place_params(_params("dots"), "data")
+        batch = _place_batch(_batches()[0], "data")
+        sums = jax.tree.leaves(jax.jit(functools.partial(_grads, "dots", "data"))(params, batch))
+
+        def both(sums, released):
+            left, nested = _unreduced.reduced_in_place(sums, released, nest=True)
+            kept, plain = _unreduced.reduced_in_place(sums, released, nest=False)
+            return nested, plain, [_unreduced.out_of_sum_type(x) for x in left], kept
+
+        nested, plain, left, kept = jax.jit(both)(sums, jnp.asarray(True))
+    assert [jax.typeof(x) for x in nested] == [jax.typeof(x) for x in plain]
+    assert [jax.typeof(x) for x in kept] == [jax.typeof(x) for x in sums]
+    assert all(_compat.sum_types(x)[1] == {"data"} for x in sums)
+    for a, b, c in zip(nested, plain, left, strict=True):
+        np.testing.assert_array_equal(_read(a), _read(b))
+        np.testing.assert_array_equal(_read(c), _read(b))
