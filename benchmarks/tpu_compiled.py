@@ -386,6 +386,9 @@ def _cases(topology: str, quick: bool) -> list[tuple[str, str, str]]:
             ("data", "MultiSteps", "canonical"),
         ]
     cases = [("data", "conditional_accumulator", form) for form in FORMS]
+    if topology == "v5e":  # every transform on params `as_reduced`, and the sum
+        for name in (*TRANSFORMS[1:], "summing_accumulator"):
+            cases += [("data", name, f) for f in FORMS if not (name in _NOT_NNX and f == "NNX")]
     cases += [("data", "MultiSteps", form) for form in ("canonical", "NNX")]
     if topology == "v5e":
         for name in TRANSFORMS:

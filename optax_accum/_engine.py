@@ -42,6 +42,7 @@ from optax_accum import (
     _counters,
     _extra_args,
     _protocol,
+    _spending,
     _sums,
     _unreduced,
 )
@@ -154,7 +155,7 @@ class Storage(NamedTuple):
         (a dense leaf's values, not its counts), `put(other) -> store`; default: itself.
       summed: whether that array, typed unreduced, holds the devices' partial sums,
         which the release all-reduces in its own dtype (`_unreduced.reduced_sum`): the
-        engine reduces them before the kinds' releases (`_reduced_first`).
+        engine reduces them before the kinds' releases (`_spending.reduced_first`).
     """
 
     holds: Callable[[Any], bool]
@@ -177,7 +178,7 @@ def _is_slices(x: Any) -> bool:
     return isinstance(x, IndexedSlices)
 
 
-class _Layout(NamedTuple):
+class Layout(NamedTuple):
     """Which kind keeps each store of a storage tree, leaf by leaf (in tree order)."""
 
     kinds: tuple[Storage, ...]
@@ -185,7 +186,7 @@ class _Layout(NamedTuple):
     treedef: Any
 
     @classmethod
-    def of_storage(cls, kinds: tuple[Storage, ...], storage: Any) -> _Layout:
+    def of_storage(cls, kinds: tuple[Storage, ...], storage: Any) -> Layout:
         def is_store(x: Any) -> bool:
             return any(k.holds(x) for k in kinds)
 
@@ -208,7 +209,7 @@ class _Layout(NamedTuple):
         return [fn(self.kinds[k], g, s) for k, g, s in zip(self.of, leaves, stores, strict=True)]
 
 
-def _check_updates(layout: _Layout, updates: Any, storage: Any) -> list:
+def _check_updates(layout: Layout, updates: Any, storage: Any) -> list:
     """The gradient's leaves (one per store, `IndexedSlices` whole), checked at trace
     time against the stores: tree structure, then each leaf by its kind."""
     got = jax.tree.structure(updates, is_leaf=_is_slices)
@@ -224,7 +225,7 @@ def _check_updates(layout: _Layout, updates: Any, storage: Any) -> list:
     return [g for _, g in flat]
 
 
-def _added(layout: _Layout, stores: list, grads: list, offer: Offer) -> Added:
+def _added(layout: Layout, stores: list, grads: list, offer: Offer) -> Added:
     """Every kind's stores with the gradient added (see `Storage.add`)."""
     stores, accepted, arrivals = list(stores), offer.offered, {}
     for kind, at in layout.by_kind(stores):
@@ -238,7 +239,7 @@ def _added(layout: _Layout, stores: list, grads: list, offer: Offer) -> Added:
     return Added(stores, accepted, arrivals)
 
 
-def _released(layout: _Layout, stores: list, grads: list, window: Window) -> list:
+def _released(layout: Layout, stores: list, grads: list, window: Window) -> list:
     """Every kind's aggregate, leaf by leaf in tree order (see `Storage.release`)."""
     out: list[Any] = [None] * len(stores)
     for kind, at in layout.by_kind(stores):
@@ -406,7 +407,7 @@ def accumulate(
     """
     if not call.checked:
         _extra_args.warn_misspelled(extra_args)
-    layout = _Layout.of_storage(rules.kinds, state.storage)
+    layout = Layout.of_storage(rules.kinds, state.storage)
     stores = layout.stores(state.storage)
     grads = _check_updates(layout, updates, state.storage)
     step = _counters.local_step_or(local_step, state.global_step)
@@ -455,7 +456,7 @@ def accumulate(
 
     def release(inner_state: Any, storage: Any, params: Any, summed: Any = None) -> tuple:
         """The inner's updates and state; `summed`: the storage with its sums reduced
-        already (`_reduced_first`), which the kinds release, `storage` giving the
+        already (`_spending.reduced_first`), which the kinds release, `storage` giving the
         updates' types."""
         stores = layout.stores(storage)
         aggregate = jax.tree.unflatten(
@@ -474,26 +475,25 @@ def accumulate(
         if result.selection is not None:
             return result.selection, result.state
         out = jax.tree.leaves(result.updates, is_leaf=_is_slices)
-        out = layout.map(lambda kind, u, s: _typed(kind, in_stores)(u, s), out, stores)
+        out = layout.map(lambda kind, u, s: _spending.typed(kind, in_stores)(u, s), out, stores)
         return jax.tree.unflatten(layout.treedef, out), result.state
 
     if spendable:
-        spent, put = _spent(layout, storage)
+        spent, put = _spending.spent(layout, storage)
 
         def spend(kept: Any, spent: Any, params: Any) -> tuple:
-            left, summed = _reduced_first(layout, spent, emit)
-            updates, kept = release(kept, put(spent), params, put(summed))
-            if call.apply:
-                left = _cleared(layout, spent, summed, left, kept)
+            reduced = _spending.reduced_first(layout, spent, emit)
+            updates, kept = release(kept, put(spent), params, put(reduced.totals))
+            left = reduced.left if not call.apply else _spending.cleared(reduced, spent, kept)
             return updates, kept, left
 
         branched = _branch.release_if(
             emit, spend, state.inner_state, spent, params, salt=count, apply=call.apply
         )
         if in_stores:
-            branched = branched._replace(state=_behind_barrier(branched.state))
+            branched = branched._replace(state=_spending.behind_barrier(branched.state))
         inner_state, storage = branched.state[0], put(branched.state[1])
-        part = lambda s: (s.inner_state, _spent(layout, s.storage)[0])  # noqa: E731
+        part = lambda s: (s.inner_state, _spending.spent(layout, s.storage)[0])  # noqa: E731
     else:
         branched = _branch.update_if(
             emit,
@@ -525,7 +525,7 @@ def accumulate(
     )
     updates = branched.updates
     if in_stores:
-        updates = _out_of_stores(updates)
+        updates = _spending.out_of_stores(updates)
     return _protocol.result_of(
         updates,
         new_state,
@@ -548,105 +548,7 @@ def _per_replica(flag: jax.Array, axis_name: Any) -> jax.Array:
     return _compat.make_varying(flag, tracked)
 
 
-def _spent(layout: _Layout, storage: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """The arrays a release spends, in the storage's tree, and `put` (`Storage.spent_in`)."""
-    stores = layout.stores(storage)
-    parts = layout.map(lambda kind, _, store: kind.spent_in(store), stores, stores)
-    put = lambda spent: layout.treedef.unflatten(  # noqa: E731
-        [p(a) for (_, p), a in zip(parts, layout.stores(spent), strict=True)]
-    )
-    return layout.treedef.unflatten([a for a, _ in parts]), put
-
-
-def _reduced_first(layout: _Layout, spent: Any, released: jax.Array) -> tuple[Any, Any]:
-    """The spent arrays of the kinds that sum (`Storage.summed`) and are typed
-    unreduced, all-reduced before the kinds' releases: `(left, summed)`, what the spent
-    tree's buffers hold after and the spent tree with those arrays reduced (the kinds'
-    `_unreduced.reduced_sum` of them then moves nothing).
-
-    On TPU each all-reduce writes into its own sum's buffer (`_unreduced.
-    reduced_in_place`, nested); elsewhere each writes a new array, as in the kinds.
-    """
-    arrays = layout.stores(spent)
-    at = [
-        i
-        for i, (k, a) in enumerate(zip(layout.of, arrays, strict=True))
-        if layout.kinds[k].summed and _unreduced.unreduced_axes(a)
-    ]
-    if not at:
-        return spent, spent
-    sums = [arrays[i] for i in at]
-    left, totals = lax.platform_dependent(
-        sums,
-        tpu=lambda sums: _unreduced.reduced_in_place(sums, released, nest=True),
-        default=lambda sums: _unreduced.reduced_in_place(sums, released, nest=False),
-    )
-    left_arrays, summed_arrays = list(arrays), list(arrays)
-    for i, after, total in zip(at, left, totals, strict=True):
-        left_arrays[i], summed_arrays[i] = after, total
-    return layout.treedef.unflatten(left_arrays), layout.treedef.unflatten(summed_arrays)
-
-
-def _cleared(layout: _Layout, spent: Any, summed: Any, left: Any, after: Any) -> Any:
-    """What a release that applies its updates itself leaves in the spent arrays that
-    `_reduced_first` reduced into their own buffers (on TPU): each total times zero,
-    read through an optimization barrier with the inner's new state (`after`), so that
-    it is made in the total's buffer once the inner optimizer has read the total. The
-    branch must return those buffers written: returned as the totals themselves (the
-    same bits as the sums' type, while the inner reads them as the plain one), each was
-    copied (TPU v5e, 268M in 8 leaves: 1 GiB of temporaries). Elsewhere, `left`."""
-    spent_arrays, totals, left_arrays = (layout.stores(t) for t in (spent, summed, left))
-    at = [i for i, (s, t) in enumerate(zip(spent_arrays, totals, strict=True)) if s is not t]
-    if not at:
-        return left
-
-    def zeroed(pairs: list) -> list:
-        tied, _ = lax.optimization_barrier(([t for t, _ in pairs], after))
-        return [_unreduced.in_sum_type(t * 0, s) for t, (_, s) in zip(tied, pairs, strict=True)]
-
-    pairs = [(totals[i], spent_arrays[i]) for i in at]
-    out = lax.platform_dependent(
-        pairs, tpu=zeroed, default=lambda pairs: [left_arrays[i] for i in at]
-    )
-    for i, o in zip(at, out, strict=True):
-        left_arrays[i] = o
-    return layout.treedef.unflatten(left_arrays)
-
-
-def _typed(kind: Storage, in_stores: bool) -> Callable[[Any, Any], Any]:
-    """How `kind` types a released update: to travel in its store's buffer
-    (`in_stores`), or like its param."""
-    return kind.spent_as if in_stores and kind.spent_as is not None else kind.retyped
-
-
-def _behind_barrier(operand: tuple) -> tuple:
-    """The branch's `(inner_state, storage)` with each store read through an
-    optimization barrier of its own.
-
-    The partitioner puts copies around a value typed unreduced (the branch's stores)
-    and around the cast after it (`_unreduced.out_of_sum_type`); the TPU compiler's
-    conditional code motion sinks them into both branches, which then return the
-    stores twice (TPU v5e, 8 leaves of 4096 x 8192: a params-sized tree of
-    temporaries more). It moves nothing across a barrier. One barrier around all the
-    stores was itself sunk at 2 leaves (a leaf more); a barrier per store was not, at
-    1 to 16 leaves.
-    """
-    kept, spent = operand
-    return kept, jax.tree.map(lax.optimization_barrier, spent)
-
-
-def _out_of_stores(updates: Any) -> Any:
-    """Updates that travelled in the stores' buffers (arrays, or a `Selection` of
-    them), typed like the params again (`_unreduced.out_of_sum_type`)."""
-    if not isinstance(updates, _protocol.Selection):
-        return jax.tree.map(_unreduced.out_of_sum_type, updates)
-    take = updates.take
-    return updates._replace(
-        take=lambda state: jax.tree.map(_unreduced.out_of_sum_type, take(state))
-    )
-
-
-def _held(layout: _Layout, zeros: Any, stores: list) -> Any:
+def _held(layout: Layout, zeros: Any, stores: list) -> Any:
     """A held step's updates: each kind's `held` of the zero updates."""
     leaves = jax.tree.leaves(zeros, is_leaf=_is_slices)
     out = layout.map(lambda kind, z, _: kind.held(z), leaves, stores)

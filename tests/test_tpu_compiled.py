@@ -33,7 +33,7 @@ NamedTuple state into `nnx.State` trees (tests/test_flax.py says so and runs tha
 combination functionally).
 
 On params `as_reduced` the release keeps no all-reduce output of its own, in every
-step form and under the compiler's default, list and DFS memory schedulers alike.
+step form, under the compiler's default memory scheduler and its list and DFS ones.
 
 A check that the code fails on TPU is marked `xfail(strict=True)`, with what the
 compiled program shows, until the code is fixed (none is, today).
@@ -291,7 +291,7 @@ def test_as_reduced_release_keeps_no_all_reduce_output(name, form, scheduler):
     TPU compiler's memory scheduler (`scheduler`: its default, or its list or DFS
     one): the release keeps no all-reduce output, each leaf's all-reduce writing into
     the sum's buffer (`_unreduced.reduced_in_place`; with `apply_gradients`, the
-    buffer then cleared after the inner optimizer reads it: `_engine._cleared`).
+    buffer then cleared after the inner optimizer reads it: `_branch.cleared_after`).
 
     Before, each all-reduce wrote an output of its own, and the default scheduler
     (its list schedule) ran them all before the first Adam fusion unless a scalar
