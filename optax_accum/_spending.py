@@ -60,16 +60,26 @@ class Reduced(NamedTuple):
     treedef: Any
 
 
+# Sums with fewer elements are left to their kinds' releases: an all-reduce's own
+# output is then small, and on TPU the nesting changed how the compiler stages small
+# sums through its vector memory (v5e, 8 leaves of 128 x 64, `apply_gradients`: 7.25
+# params-sized trees of HBM traffic a held step before, 9.0 nested; of 512 x 512: 2.5
+# and 2.9). From 2048 x 2048 the nested release kept fewer temporaries and the same
+# traffic (benchmarks/README.md).
+_IN_PLACE_MIN_SIZE = 1 << 20
+
+
 def reduced_first(layout: Layout, spent: Any, released: jax.Array) -> Reduced:
-    """The spent arrays of the kinds that sum (`Storage.summed`) and are typed
-    unreduced, all-reduced before the kinds' releases, inside the branch whose
-    predicate is `released`: on TPU each into its own buffer, elsewhere each into a new
-    array, as a kind's release would (`_branch.reduced_in_place`)."""
+    """The spent arrays of the kinds that sum (`Storage.summed`), typed unreduced and
+    of at least `_IN_PLACE_MIN_SIZE` elements, all-reduced before the kinds' releases,
+    inside the branch whose predicate is `released`: on TPU each into its own buffer,
+    elsewhere each into a new array, as a kind's release would
+    (`_branch.reduced_in_place`)."""
     arrays = layout.stores(spent)
     at = tuple(
         i
         for i, (k, a) in enumerate(zip(layout.of, arrays, strict=True))
-        if layout.kinds[k].summed and _unreduced.unreduced_axes(a)
+        if layout.kinds[k].summed and _unreduced.unreduced_axes(a) and a.size >= _IN_PLACE_MIN_SIZE
     )
     left, totals = list(arrays), list(arrays)
     if at:

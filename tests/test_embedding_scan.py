@@ -114,10 +114,9 @@ def test_on_tpu_the_scan_and_the_held_step_reduce_nothing():
         program = tpu.read(step.lower(table, state, ids, coef).compile())
     assert program.loops == 1, "the scan over micro-batches is a loop"
     table_bytes = ROWS * WIDTH * 4
-    # The window's one reduction: the table's, in the release's branch (inside the
-    # conditional that writes it into the sum's buffer, `_branch.reduced_in_place`);
-    # none in the loop's body (where the micro-batches are summed), none on every step.
+    # The window's one reduction: the table's, in the release's branch; none in the
+    # loop's body (where the micro-batches are summed) and none on every step.
     assert [(c.opcode, c.nbytes, c.where) for c in program.collectives] == [
-        ("all-reduce", table_bytes, ("conditional", "conditional"))
+        ("all-reduce", table_bytes, ("conditional",))
     ], program.collectives
     assert program.conditionals == 1
