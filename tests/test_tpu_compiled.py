@@ -304,6 +304,41 @@ def test_as_reduced_release_keeps_no_all_reduce_output(name, form, scheduler):
     assert (ours.conditionals, ours.loops) == (1, 0), (ours.conditionals, ours.loops)
 
 
+@pytest.mark.parametrize("form", ["canonical", "apply_gradients"])
+def test_as_reduced_release_with_small_leaves_beside_large_bfloat16_ones(form):
+    """bfloat16 params `as_reduced` (float32 sums), two leaves of 4096 x 8192 beside a
+    128 x 64 one and a bias: the large sums are all-reduced into their own buffers,
+    the small ones where they stand (`_spending._IN_PLACE_MIN_SIZE`), in one release;
+    the step keeps about 1 MB of temporaries (a large leaf's sum is 128 MiB)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import optax_accum
+
+    mesh = tpu.mesh(tpu.TOPOLOGIES["v5e"], ("data",))
+    shapes = {"a": (4096, 8192), "b": (4096, 8192), "small": (128, 64), "bias": (8192,)}
+    tx = optax_accum.conditional_accumulator(T._adam(), 8)
+
+    def structs(kind: str) -> dict:
+        spec = lambda s: P(*([None] * len(s)), **{kind: {"data"}})  # noqa: E731
+        return {n: T._struct(s, mesh, spec(s), jnp.bfloat16) for n, s in shapes.items()}
+
+    params, grads = structs("reduced"), structs("unreduced")
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(tx.init, params)
+    program = T._compile(
+        lambda p, s, g: T.STEPS[form](tx, p, s, g, optax.apply_updates),
+        mesh,
+        (params, state, grads),
+        (0, 1),
+        "ours",
+    )
+    assert program.temp_bytes <= T.tree_bytes(BIG, 1) // 64, program.temp_bytes
+    assert (program.conditionals, program.loops) == (1, 0)
+
+
 def test_a_max_leaf_keeps_the_as_reduced_canonical_step_in_the_sums_buffers():
     """Params `as_reduced` with a "max" leaf beside a 128 MiB mean leaf: the branch
     carries every update in its store's buffer or none (`_branch._can_spend`), so a
