@@ -304,37 +304,46 @@ def test_as_reduced_release_keeps_no_all_reduce_output(name, form, scheduler):
     assert (ours.conditionals, ours.loops) == (1, 0), (ours.conditionals, ours.loops)
 
 
-@pytest.mark.parametrize("form", ["canonical", "apply_gradients"])
-def test_as_reduced_release_with_small_leaves_beside_large_bfloat16_ones(form):
-    """bfloat16 params `as_reduced` (float32 sums), two leaves of 4096 x 8192 beside a
-    128 x 64 one and a bias: the large sums are all-reduced into their own buffers,
-    the small ones where they stand (`_spending._IN_PLACE_MIN_SIZE`), in one release;
-    the step keeps about 1 MB of temporaries (a large leaf's sum is 128 MiB)."""
+def _as_reduced_step(tx, shapes: dict, form: str, dtype=None) -> tpu.Program:
+    """`tx`'s step of `form` on one v5e slice, compiled for TPU: params typed reduced
+    over its data axis, gradients unreduced, a leaf of each shape in `shapes` (in
+    `dtype`; None: float32)."""
     import jax
     import jax.numpy as jnp
     import optax
     from jax.sharding import PartitionSpec as P
 
-    import optax_accum
-
     mesh = tpu.mesh(tpu.TOPOLOGIES["v5e"], ("data",))
-    shapes = {"a": (4096, 8192), "b": (4096, 8192), "small": (128, 64), "bias": (8192,)}
-    tx = optax_accum.conditional_accumulator(T._adam(), 8)
 
     def structs(kind: str) -> dict:
         spec = lambda s: P(*([None] * len(s)), **{kind: {"data"}})  # noqa: E731
-        return {n: T._struct(s, mesh, spec(s), jnp.bfloat16) for n, s in shapes.items()}
+        return {n: T._struct(s, mesh, spec(s), dtype or jnp.float32) for n, s in shapes.items()}
 
     params, grads = structs("reduced"), structs("unreduced")
     with jax.set_mesh(mesh):
         state = jax.eval_shape(tx.init, params)
-    program = T._compile(
+    return T._compile(
         lambda p, s, g: T.STEPS[form](tx, p, s, g, optax.apply_updates),
         mesh,
         (params, state, grads),
         (0, 1),
         "ours",
     )
+
+
+@pytest.mark.parametrize("form", ["canonical", "apply_gradients"])
+def test_as_reduced_release_with_small_leaves_beside_large_bfloat16_ones(form):
+    """bfloat16 params `as_reduced` (float32 sums), two leaves of 4096 x 8192 beside a
+    128 x 64 one and a bias: the large sums are all-reduced into their own buffers,
+    the small ones where they stand (`_spending._IN_PLACE_MIN_SIZE`), in one release;
+    the step keeps about 1 MB of temporaries (a large leaf's sum is 128 MiB)."""
+    import jax.numpy as jnp
+
+    import optax_accum
+
+    shapes = {"a": (4096, 8192), "b": (4096, 8192), "small": (128, 64), "bias": (8192,)}
+    tx = optax_accum.conditional_accumulator(T._adam(), 8)
+    program = _as_reduced_step(tx, shapes, form, jnp.bfloat16)
     assert program.temp_bytes <= T.tree_bytes(BIG, 1) // 64, program.temp_bytes
     assert (program.conditionals, program.loops) == (1, 0)
 
@@ -344,34 +353,15 @@ def test_a_max_leaf_keeps_the_as_reduced_canonical_step_in_the_sums_buffers():
     carries every update in its store's buffer or none (`_branch._can_spend`), so a
     max leaf's update must be typed as its store too. Typed like its param instead,
     it sent every leaf's update out in new buffers: 268,951,552 bytes of temporaries
-    against 134,379,008 for the mean leaf alone."""
-    import jax
-    import optax
-    from jax.sharding import PartitionSpec as P
-
+    against 134,379,008 for the mean leaf alone (before each all-reduce wrote into its
+    own sum's buffer, which leaves the mean leaf alone none)."""
     import optax_accum
 
-    mesh = tpu.mesh(tpu.TOPOLOGIES["v5e"], ("data",))
     shapes = {"w": (4096, 8192), "amax": (16,)}
 
     def step_temps(reduction: dict) -> int:
-        names = list(reduction)
         tx = optax_accum.conditional_accumulator(T._adam(), 8, reduction=reduction)
-
-        def structs(kind: str) -> dict:
-            spec = lambda n: P(*([None] * len(shapes[n])), **{kind: {"data"}})  # noqa: E731
-            return {n: T._struct(shapes[n], mesh, spec(n)) for n in names}
-
-        params, grads = structs("reduced"), structs("unreduced")
-        with jax.set_mesh(mesh):
-            state = jax.eval_shape(tx.init, params)
-        return T._compile(
-            lambda p, s, g: T.STEPS["canonical"](tx, p, s, g, optax.apply_updates),
-            mesh,
-            (params, state, grads),
-            (0, 1),
-            "ours",
-        ).temp_bytes
+        return _as_reduced_step(tx, {n: shapes[n] for n in reduction}, "canonical").temp_bytes
 
     alone = step_temps({"w": "mean"})
     with_max = step_temps({"w": "mean", "amax": "max"})
