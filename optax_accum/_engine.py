@@ -484,8 +484,9 @@ def accumulate(
         def spend(kept: Any, spent: Any, params: Any) -> tuple:
             reduced = _spending.reduced_first(layout, spent, emit)
             updates, kept = release(kept, put(spent), params, put(reduced.totals))
-            left = reduced.left if not call.apply else _spending.cleared(reduced, spent, kept)
-            return updates, kept, left
+            if call.apply:
+                return updates, kept, _spending.cleared(layout, reduced, spent, kept)
+            return updates, kept, reduced.left
 
         branched = _branch.release_if(
             emit, spend, state.inner_state, spent, params, salt=count, apply=call.apply

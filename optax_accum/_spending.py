@@ -51,13 +51,19 @@ class Reduced(NamedTuple):
         `_unreduced.reduced_sum` gives them (a kind's `reduced_sum` of one then moves
         nothing), the other arrays as they were.
       at: the positions (in the layout's order) of the arrays reduced.
-      treedef: the tree's structure.
     """
 
     left: Any
     totals: Any
     at: tuple[int, ...]
-    treedef: Any
+
+
+def _replaced(items: list, at: tuple[int, ...], new: list) -> list:
+    """`items` with `new[j]` in place of `items[at[j]]`."""
+    out = list(items)
+    for i, x in zip(at, new, strict=True):
+        out[i] = x
+    return out
 
 
 # Sums with fewer elements are left to their kinds' releases: an all-reduce's own
@@ -81,34 +87,30 @@ def reduced_first(layout: Layout, spent: Any, released: jax.Array) -> Reduced:
         for i, (k, a) in enumerate(zip(layout.of, arrays, strict=True))
         if layout.kinds[k].summed and _unreduced.unreduced_axes(a) and a.size >= _IN_PLACE_MIN_SIZE
     )
-    left, totals = list(arrays), list(arrays)
-    if at:
-        kept, reduced = _branch.reduced_in_place([arrays[i] for i in at], released)
-        for i, k, t in zip(at, kept, reduced, strict=True):
-            left[i], totals[i] = k, t
+    if not at:
+        return Reduced(spent, spent, at)
+    left, totals = _branch.reduced_in_place([arrays[i] for i in at], released)
     unflatten = layout.treedef.unflatten
-    return Reduced(unflatten(left), unflatten(totals), at, layout.treedef)
+    return Reduced(
+        unflatten(_replaced(arrays, at, left)), unflatten(_replaced(arrays, at, totals)), at
+    )
 
 
-def cleared(reduced: Reduced, spent: Any, after: Any) -> Any:
+def cleared(layout: Layout, reduced: Reduced, spent: Any, after: Any) -> Any:
     """What a release that applies its updates itself (so that none travels in the
     spent buffers) returns in them: `reduced.left`, with the arrays it reduced cleared
     after the inner optimizer made `after` (its new state) from their totals
     (`_branch.cleared_after`)."""
     if not reduced.at:
         return reduced.left
-    sums, totals, left = (
-        reduced.treedef.flatten_up_to(t) for t in (spent, reduced.totals, reduced.left)
-    )
+    sums, totals, left = (layout.stores(t) for t in (spent, reduced.totals, reduced.left))
     out = _branch.cleared_after(
         [totals[i] for i in reduced.at],
         [sums[i] for i in reduced.at],
         [left[i] for i in reduced.at],
         after,
     )
-    for i, o in zip(reduced.at, out, strict=True):
-        left[i] = o
-    return reduced.treedef.unflatten(left)
+    return layout.treedef.unflatten(_replaced(left, reduced.at, out))
 
 
 def typed(kind: Storage, in_stores: bool) -> Callable[[Any, Any], Any]:
